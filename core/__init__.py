@@ -1,0 +1,40 @@
+"""dsplug: a DeepSpeed-compatible training engine for PyTorch where every feature is a plugin.
+
+``import dsplug as deepspeed`` keeps DeepSpeed scripts working. The heavy parts (torch, the
+engine) are imported on first use so that ``dsplug list`` stays fast.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .descriptors import CATEGORIES, PluginSpec
+from .hookspecs import hookimpl, hookspec
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute): resolved lazily by __getattr__ below
+_LAZY = {
+    "initialize": ("dsplug.api", "initialize"),
+    "init_distributed": ("dsplug.api", "init_distributed"),
+    "add_config_arguments": ("dsplug.api", "add_config_arguments"),
+    "DeepSpeedEngine": ("dsplug.engine", "Engine"),
+    "Engine": ("dsplug.engine", "Engine"),
+    "DsplugConfig": ("dsplug.config", "DsplugConfig"),
+    "ConfigError": ("dsplug.config", "ConfigError"),
+    "get_registry": ("dsplug.registry", "get_registry"),
+    "get_accelerator": ("dsplug.accelerator", "get_accelerator"),
+}
+_SUBMODULES = {"comm", "zero", "ops", "profiling", "checkpoint", "config", "accelerator", "op_builder", "utils"}
+
+__all__ = ["PluginSpec", "CATEGORIES", "hookimpl", "hookspec", "__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dsplug.{name}")
+    raise AttributeError(f"module 'dsplug' has no attribute {name!r}")

@@ -1,0 +1,254 @@
+"""The whole config: kernel keys, plugin-owned sections, selected plugins, cross-section rules.
+
+Building a :class:`DsplugConfig` parses and validates everything at once and raises a single
+:class:`~dsplug.config.schema.ConfigError` listing every problem. Ownership:
+
+* the kernel owns the keys of :class:`~dsplug.config.kernel_schema.KernelConfig`;
+* ``optimizer.params`` / ``scheduler.params`` belong to the plugin ``type`` selects;
+* any other top-level section belongs to the plugin whose spec declares ``section=`` for it;
+* a section DeepSpeed documents but no installed plugin owns is an error saying so.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Mapping, Optional
+
+import attrs
+
+from ..registry import PluginNotFoundError, get_registry, suggest
+from .auto import BATCH_KEYS, auto_paths, fill_auto
+from .batch import BatchError, implied_world_size, infer_batch
+from .kernel_schema import DOCUMENTED_SECTIONS, KernelConfig
+from .loader import load_raw
+from .schema import AUTO, ConfigError, Report, is_auto, parse, to_dict
+
+KERNEL_KEYS = tuple(a.name for a in attrs.fields(KernelConfig))
+#: top-level spellings DeepSpeed accepted in the past -> the modern key
+LEGACY_SECTION_NAMES = {"bfloat16": "bf16"}
+
+
+class DsplugDeprecationWarning(FutureWarning):
+    """A legacy config form was accepted; the message shows the modern form."""
+
+
+@attrs.frozen
+class Selected:
+    """The plugin a ``type`` key selected, with its parsed ``params``."""
+
+    provided: Any  # registry.Provided
+    params: Any  # instance of the plugin's schema (or a dict when it has none)
+    type: str
+
+    @property
+    def spec(self):
+        return self.provided.spec
+
+    def build(self, *args):
+        return self.provided.spec.factory(*args)
+
+
+class DsplugConfig:
+    """A validated config.
+
+    ``source``: a path, dict or JSON / HJSON text.
+    ``world_size``: the data-parallel size; batch sizes are inferred against it. When None, a
+    fully given batch triple must imply a whole world size.
+    ``auto_values`` / ``hidden_size``: passed to :func:`~dsplug.config.auto.fill_auto`.
+    ``strict_auto``: every ``"auto"`` must be resolved (the engine builds with this on;
+    ``dsplug config check`` leaves it off, as Hugging Face templates are full of ``"auto"``).
+    """
+
+    def __init__(
+        self,
+        source,
+        world_size: Optional[int] = None,
+        *,
+        registry=None,
+        auto_values: Optional[Mapping[str, Any]] = None,
+        hidden_size: Optional[int] = None,
+        strict_auto: bool = False,
+    ):
+        raw, where = load_raw(source)
+        self.source = where
+        self.registry = registry or get_registry()
+        report = Report(where)
+        raw = self._rename_legacy_sections(raw, report)
+        if auto_values or hidden_size is not None:
+            raw = fill_auto(raw, auto_values, hidden_size=hidden_size)
+        self.raw: Dict[str, Any] = raw
+        self.world_size = world_size
+        self.sections: Dict[str, Any] = {}
+        self.kernel: KernelConfig = self._parse_kernel(raw, report)
+        self.optimizer: Optional[Selected] = self._select("optimizer", "optimizer", report)
+        self.scheduler: Optional[Selected] = self._select("scheduler", "scheduler", report)
+        self._parse_sections(raw, report)
+        self._resolve_batch(report, strict_auto)
+        if strict_auto:
+            self._refuse_unresolved_auto(report)
+        self._run_rules(report)
+        self.warnings = list(report.warnings)
+        for issue in report.warnings:
+            warnings.warn(str(issue), DsplugDeprecationWarning, stacklevel=2)
+        report.raise_if_errors()
+
+    # ------------------------------------------------------------------ parsing
+    def _rename_legacy_sections(self, raw: Dict[str, Any], report: Report) -> Dict[str, Any]:
+        for old, new in LEGACY_SECTION_NAMES.items():
+            if old in raw:
+                if new in raw:
+                    report.error(old, f"given together with {new!r}; keep only {new!r}")
+                    continue
+                raw[new] = raw.pop(old)
+                report.warn(old, f"the section name {old!r} is deprecated; write \"{new}\": {{...}} instead")
+        return raw
+
+    def _parse_kernel(self, raw: Dict[str, Any], report: Report) -> KernelConfig:
+        mine = {k: v for k, v in raw.items() if k in KERNEL_KEYS}
+        return parse(KernelConfig, mine, "", report)
+
+    def _select(self, key: str, category: str, report: Report) -> Optional[Selected]:
+        chosen = getattr(self.kernel, key)
+        if chosen is None or key not in self.raw or not isinstance(self.raw.get(key), dict):
+            return None
+        try:
+            provided = self.registry.get(category, chosen.type, what=f"{key}.type")
+        except PluginNotFoundError as exc:
+            report.error(f"{key}.type", str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc))
+            return None
+        schema_cls = provided.spec.schema
+        params = chosen.params
+        if schema_cls is not None:
+            params = parse(schema_cls, chosen.params, f"{key}.params", report)
+        return Selected(provided=provided, params=params, type=chosen.type)
+
+    def _parse_sections(self, raw: Dict[str, Any], report: Report) -> None:
+        owners = self.registry.sections()
+        for key, value in raw.items():
+            if key in KERNEL_KEYS:
+                continue
+            owner = owners.get(key)
+            if owner is not None:
+                if owner.spec.schema is None:
+                    report.error(key, f"plugin {owner.category}:{owner.name} owns this section but declares no schema")
+                    continue
+                self.sections[key] = parse(owner.spec.schema, value, key, report)
+            elif key in DOCUMENTED_SECTIONS:
+                report.error(
+                    key,
+                    f"this is DeepSpeed's {DOCUMENTED_SECTIONS[key]} section, but no installed dsplug plugin "
+                    f"provides it (yet). Remove the section, or install a plugin that owns {key!r} "
+                    f"(`dsplug list` shows what is installed)",
+                )
+            else:
+                known = list(KERNEL_KEYS) + list(owners) + list(DOCUMENTED_SECTIONS)
+                guess = suggest(key, known)
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                report.error(key, f"unknown top-level key{hint} (`dsplug config explain` lists the valid keys)")
+
+    def _resolve_batch(self, report: Report, strict_auto: bool) -> None:
+        k = self.kernel
+        given = {name: getattr(k, name) for name in BATCH_KEYS}
+        autos = [name for name, v in given.items() if is_auto(v)]
+        values = {name: (None if is_auto(v) else v) for name, v in given.items()}
+        if self.world_size is None:
+            if all(v is not None for v in values.values()):
+                w = implied_world_size(*values.values())
+                if w is None:
+                    report.error(
+                        "train_batch_size",
+                        f"{values['train_batch_size']} is not a multiple of train_micro_batch_size_per_gpu × "
+                        f"gradient_accumulation_steps = {values['train_micro_batch_size_per_gpu']} × "
+                        f"{values['gradient_accumulation_steps']}, so no world size fits",
+                    )
+            elif not any(v is not None for v in values.values()) and not autos and not strict_auto:
+                report.error("train_batch_size", "set train_batch_size or train_micro_batch_size_per_gpu")
+            return
+        try:
+            tb, mb, gas = infer_batch(*values.values(), self.world_size)
+        except BatchError as exc:
+            if autos and not strict_auto:
+                return
+            path = "train_batch_size"
+            report.error(path, str(exc) + (f' ("auto" values: {", ".join(autos)})' if autos else ""))
+            return
+        self.kernel = attrs.evolve(
+            self.kernel, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas
+        )
+
+    def _refuse_unresolved_auto(self, report: Report) -> None:
+        resolved = to_dict_of(self)
+        for path, _ in auto_paths(resolved):
+            report.error(
+                path,
+                '"auto" is not resolved: nothing in this run provides it. Give a value, or fill it with '
+                f'dsplug.config.fill_auto(config, {{"{path}": ...}}) before initialize',
+            )
+
+    def _run_rules(self, report: Report) -> None:
+        from .rules import KERNEL_RULES
+
+        rules = list(KERNEL_RULES)
+        for provided in self.registry.all():
+            rules.extend(provided.spec.rules)
+        for rule in rules:
+            try:
+                rule(self, report)
+            except Exception as exc:  # a buggy plugin rule must be visible, not fatal
+                report.error("", f"config rule {getattr(rule, '__qualname__', rule)} failed: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ access
+    def __getattr__(self, name):
+        # only called when normal lookup fails: expose the kernel's keys as attributes
+        kernel = self.__dict__.get("kernel")
+        if kernel is not None and name in KERNEL_KEYS:
+            return getattr(kernel, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def has_section(self, name: str) -> bool:
+        return name in self.sections
+
+    def section(self, name: str):
+        """The parsed section, or its schema's defaults when absent (None if no plugin owns it)."""
+        if name in self.sections:
+            return self.sections[name]
+        owner = self.registry.sections().get(name)
+        if owner is None or owner.spec.schema is None:
+            return None
+        return parse(owner.spec.schema, {}, name)
+
+    def get(self, name: str, default=None):
+        if name in KERNEL_KEYS:
+            return getattr(self.kernel, name)
+        value = self.section(name)
+        return default if value is None else value
+
+    def to_dict(self) -> Dict[str, Any]:
+        return to_dict_of(self)
+
+    def __repr__(self) -> str:
+        return f"DsplugConfig(source={self.source!r}, world_size={self.world_size})"
+
+
+def to_dict_of(config: DsplugConfig) -> Dict[str, Any]:
+    """The resolved config as JSON-ready data (defaults filled in)."""
+    out = {k: v for k, v in to_dict(config.kernel).items() if k in config.raw or k in BATCH_KEYS}
+    for key in ("optimizer", "scheduler"):
+        selected = getattr(config, key)
+        if selected is not None:
+            params = to_dict(selected.params) if attrs.has(type(selected.params)) else dict(selected.params)
+            out[key] = {"type": selected.type, "params": params}
+    for name, section in config.sections.items():
+        out[name] = to_dict(section)
+    return out
+
+
+def check_config(source, world_size: Optional[int] = None, registry=None) -> Optional[ConfigError]:
+    """The ConfigError a config would raise, or None when it is valid."""
+    try:
+        DsplugConfig(source, world_size=world_size, registry=registry)
+    except ConfigError as exc:
+        return exc
+    return None
+
+
+__all__ = ["AUTO", "DsplugConfig", "DsplugDeprecationWarning", "Selected", "check_config"]

@@ -1,0 +1,102 @@
+"""The top-level keys the kernel itself owns (every other section belongs to a plugin)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from .schema import field, schema
+
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+
+@schema
+class ParallelWriteConfig:
+    pipeline_stage: bool = field(False, doc="each pipeline stage writes its own model states")
+
+
+@schema
+class CheckpointConfig:
+    tag_validation: str = field(
+        "Warn", choices=("Ignore", "Warn", "Fail"), case_insensitive=True,
+        doc="check that every rank saves with the same tag",
+    )
+    load_universal: bool = field(False, doc="load a universal (reshardable) checkpoint")
+    use_node_local_storage: bool = field(False, doc="each node saves to its own local storage")
+    parallel_write: ParallelWriteConfig = field(factory=ParallelWriteConfig)
+    weights_only: bool = field(True, doc="dsplug: torch.load(weights_only=True) when loading")
+
+
+@schema
+class DataTypesConfig:
+    grad_accum_dtype: Optional[str] = field(
+        None, choices=DTYPE_NAMES, case_insensitive=True,
+        doc="dtype gradients are accumulated in (default: the training dtype)",
+    )
+
+
+@schema
+class SelectorConfig:
+    """``optimizer`` / ``scheduler``: a ``type`` naming a plugin and its ``params``."""
+
+    type: str = field(doc="name of the plugin to use")
+    params: Dict[str, Any] = field(factory=dict, doc="arguments of the selected plugin")
+
+
+@schema
+class KernelConfig:
+    train_batch_size: Optional[int] = field(None, ge=1, auto=True, doc="samples per optimizer step, all ranks")
+    train_micro_batch_size_per_gpu: Optional[int] = field(None, ge=1, auto=True, doc="samples per rank per forward")
+    gradient_accumulation_steps: Optional[int] = field(None, ge=1, auto=True, doc="micro-steps per optimizer step")
+    gradient_clipping: float = field(0.0, ge=0, auto=True, doc="clip the global gradient norm to this (0 = off)")
+    steps_per_print: int = field(10, ge=1, doc="log progress every this many optimizer steps")
+    wall_clock_breakdown: bool = field(False, doc="time forward / backward / step")
+    dump_state: bool = field(False, doc="print the engine's state after initialisation")
+    memory_breakdown: bool = field(False, doc="log accelerator memory with the progress lines")
+    prescale_gradients: bool = field(False, doc="divide gradients before the all-reduce instead of after")
+    gradient_predivide_factor: float = field(1.0, gt=0, doc="divide gradients by this before the all-reduce")
+    communication_data_type: Optional[str] = field(
+        None, choices=DTYPE_NAMES, case_insensitive=True, doc="dtype of gradient all-reduce (default: training dtype)"
+    )
+    fp32_allreduce: bool = field(False, doc="all-reduce gradients in fp32")
+    sparse_gradients: bool = field(False, doc="sparse all-reduce for nn.Embedding gradients")
+    disable_allgather: bool = field(False, doc="ZeRO: broadcast instead of all-gather")
+    zero_allow_untested_optimizer: bool = field(False, doc="allow optimizers not tested with ZeRO")
+    zero_force_ds_cpu_optimizer: bool = field(True, doc="require the native CPU optimizer with ZeRO-Offload")
+    dataloader_drop_last: bool = field(False, doc="drop the last incomplete batch of training_data")
+    seed: Optional[int] = field(None, doc="dsplug: seed torch's generators at initialize")
+    checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
+    data_types: DataTypesConfig = field(factory=DataTypesConfig)
+    optimizer: Optional[SelectorConfig] = field(None, doc="optimizer.type selects an optimizer plugin")
+    scheduler: Optional[SelectorConfig] = field(None, doc="scheduler.type selects a scheduler plugin")
+
+
+#: sections documented by DeepSpeed that the kernel does not own; each needs a plugin.
+DOCUMENTED_SECTIONS = {
+    "fp16": "fp16 mixed precision",
+    "bf16": "bf16 mixed precision",
+    "amp": "NVIDIA-Apex-style automatic mixed precision",
+    "zero_optimization": "ZeRO redundancy optimizer",
+    "aio": "asynchronous NVMe I/O",
+    "autotuning": "autotuning",
+    "flops_profiler": "flops profiler",
+    "activation_checkpointing": "activation checkpointing",
+    "sparse_attention": "sparse attention",
+    "data_efficiency": "data efficiency (sampling and routing)",
+    "curriculum_learning": "curriculum learning",
+    "tensorboard": "TensorBoard monitor",
+    "wandb": "Weights & Biases monitor",
+    "comet": "Comet monitor",
+    "csv_monitor": "CSV monitor",
+    "elasticity": "elastic training",
+    "comms_logger": "communication logger",
+    "compression_training": "compression (quantization, pruning, layer reduction)",
+    "pipeline": "pipeline parallelism",
+    "progressive_layer_drop": "progressive layer dropping",
+    "eigenvalue": "eigenvalue computation",
+    "quantize_training": "MoQ quantize training",
+    "nebula": "Nebula checkpointing service",
+    "hybrid_engine": "hybrid (RLHF) engine",
+    "weight_quantization": "weight quantization",
+    "tensor_parallel": "automatic tensor parallelism",
+    "moe": "mixture of experts",
+    "monitor_config": "monitor configuration",
+}

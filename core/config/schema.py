@@ -1,0 +1,424 @@
+"""Strict schemas for config sections: attrs classes whose fields say type, range and doc.
+
+A plugin declares the section (or ``params`` dict) it owns like this::
+
+    from dsplug.config.schema import schema, field
+
+    @schema
+    class Fp16Config:
+        enabled: bool = field(False, auto=True, doc="train in fp16")
+        loss_scale: float = field(0.0, ge=0, doc="0 = dynamic loss scaling")
+        initial_scale_power: int = field(16, ge=0, le=64)
+
+and :func:`parse` turns a JSON dict into an instance, collecting *every* problem in a
+:class:`Report` rather than stopping at the first:
+
+* a key that is not a field (or a field alias) -> error naming its JSON path and the closest key;
+* a value of the wrong type -> error naming key, value and the expected type;
+* a value out of range / not among ``choices`` -> error naming what is valid;
+* ``"auto"`` is accepted only by fields declared ``auto=True`` and stays ``"auto"`` until the
+  engine resolves it (:mod:`dsplug.config.auto`).
+
+JSON numbers: an ``int`` field takes ``5e8`` (an integral float) as 500000000, like DeepSpeed.
+"""
+from __future__ import annotations
+
+import typing
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import attrs
+
+from ..registry import suggest
+
+AUTO = "auto"
+_NOTHING = object()
+
+
+def is_auto(value) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+@attrs.frozen
+class Issue:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class Report:
+    """Collects config errors and warnings so that every one can be shown at once."""
+
+    def __init__(self, source: str = ""):
+        self.source = source
+        self.errors: List[Issue] = []
+        self.warnings: List[Issue] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(Issue(path, message))
+
+    def warn(self, path: str, message: str) -> None:
+        self.warnings.append(Issue(path, message))
+
+    def __bool__(self) -> bool:  # truthy when there are errors
+        return bool(self.errors)
+
+    def raise_if_errors(self) -> None:
+        if self.errors:
+            raise ConfigError(self.errors, self.source)
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config. ``.issues`` lists them; ``str()`` shows them all."""
+
+    def __init__(self, issues, source: str = ""):
+        self.issues = list(issues) if not isinstance(issues, Issue) else [issues]
+        self.source = source
+        where = f" ({source})" if source else ""
+        if len(self.issues) == 1:
+            text = f"invalid dsplug config{where}: {self.issues[0]}"
+        else:
+            lines = "\n".join(f"  - {issue}" for issue in self.issues)
+            text = f"invalid dsplug config{where}: {len(self.issues)} errors\n{lines}"
+        super().__init__(text)
+
+
+# ------------------------------------------------------------------------------------- fields
+def field(
+    default=_NOTHING,
+    *,
+    factory: Optional[Callable[[], Any]] = None,
+    doc: str = "",
+    ge=None,
+    gt=None,
+    le=None,
+    lt=None,
+    choices=None,
+    auto: bool = False,
+    aliases: Tuple[str, ...] = (),
+    check: Optional[Callable[[Any], Optional[str]]] = None,
+    case_insensitive: bool = False,
+):
+    """An attrs field carrying the metadata :func:`parse` enforces.
+
+    ``check(value)`` may return an error message (or raise ValueError) for rules the other
+    options cannot express. ``choices`` with ``case_insensitive`` accepts any capitalisation and
+    stores the canonical spelling.
+    """
+    meta = dict(
+        doc=doc, ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices is not None else None,
+        auto=auto, aliases=tuple(aliases), check=check, case_insensitive=case_insensitive,
+    )
+    if factory is not None:
+        return attrs.field(factory=factory, metadata={"dsplug": meta})
+    if default is _NOTHING:
+        return attrs.field(metadata={"dsplug": meta})
+    if isinstance(default, (list, dict, set)):
+        snapshot = default
+        return attrs.field(factory=lambda: type(snapshot)(snapshot), metadata={"dsplug": meta})
+    return attrs.field(default=default, metadata={"dsplug": meta})
+
+
+def schema(cls=None, *, extra_keys: bool = False):
+    """Class decorator: a frozen, keyword-only attrs class usable with :func:`parse`.
+
+    ``extra_keys=True`` lets unknown keys through into ``__extra__`` (for free-form dicts whose
+    keys a later stage checks, e.g. arguments of an arbitrary torch optimizer).
+    """
+
+    def wrap(c):
+        c = attrs.frozen(kw_only=True)(c)
+        c.__dsplug_extra_keys__ = extra_keys
+        return c
+
+    return wrap(cls) if cls is not None else wrap
+
+
+def _meta(a: attrs.Attribute) -> Dict[str, Any]:
+    return a.metadata.get("dsplug", {}) if a.metadata else {}
+
+
+def fields_of(cls) -> Tuple[attrs.Attribute, ...]:
+    attrs.resolve_types(cls)
+    return attrs.fields(cls)
+
+
+def key_map(cls) -> Dict[str, attrs.Attribute]:
+    """Every accepted key (field names and aliases) -> field."""
+    out = {}
+    for a in fields_of(cls):
+        out[a.name] = a
+        for alias in _meta(a).get("aliases", ()):
+            out[alias] = a
+    return out
+
+
+# ------------------------------------------------------------------------------------- types
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any value"
+    if attrs.has(tp):
+        return "an object"
+    if origin is Union:
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    if origin in (list, tuple, List, Tuple):
+        args = [t for t in typing.get_args(tp) if t is not Ellipsis]
+        inner = _type_name(args[0]) if args else "values"
+        if origin in (tuple, Tuple) and args and Ellipsis not in typing.get_args(tp):
+            return f"a list of {len(args)} {inner.replace('a ', '').replace('an ', '')}"
+        return f"a list of {inner}"
+    if origin in (dict, Dict):
+        return "an object"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _show(value) -> str:
+    text = repr(value) if not isinstance(value, bool) else ("true" if value else "false")
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Bad(Exception):
+    pass
+
+
+def _coerce(tp, value, path: str, report: Report):
+    """Check ``value`` against annotation ``tp``; return the stored form or raise _Bad."""
+    origin = typing.get_origin(tp)
+    if tp is Any or tp is object:
+        return value
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                probe = Report()
+                result = _coerce(arg, value, path, probe)
+                if not probe.errors:
+                    return result
+            except _Bad:
+                continue
+        raise _Bad
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Bad
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise _Bad
+    if attrs.has(tp):
+        if not isinstance(value, dict):
+            raise _Bad
+        return parse(tp, value, path, report)
+    if origin in (list, List, tuple, Tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _Bad
+        args = typing.get_args(tp)
+        if origin in (tuple, Tuple) and args and Ellipsis not in args:
+            if len(value) != len(args):
+                raise _Bad
+            return tuple(_coerce(a, v, f"{path}[{i}]", report) for i, (a, v) in enumerate(zip(args, value)))
+        inner = args[0] if args else Any
+        items = [_coerce(inner, v, f"{path}[{i}]", report) for i, v in enumerate(value)]
+        return tuple(items) if origin in (tuple, Tuple) else items
+    if origin in (dict, Dict) or tp is dict:
+        if not isinstance(value, dict):
+            raise _Bad
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise _Bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _Bad
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Bad
+        return float(value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Bad
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise _Bad
+    return value
+
+
+def _check_value(a: attrs.Attribute, value, path: str, report: Report) -> bool:
+    m = _meta(a)
+    valid = True
+
+    def bad(why: str):
+        nonlocal valid
+        valid = False
+        report.error(path, f"{_show(value)} is not valid: {why}")
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if m.get("ge") is not None and value < m["ge"]:
+            bad(f"must be >= {m['ge']}")
+        elif m.get("gt") is not None and value <= m["gt"]:
+            bad(f"must be > {m['gt']}")
+        elif m.get("le") is not None and value > m["le"]:
+            bad(f"must be <= {m['le']}")
+        elif m.get("lt") is not None and value >= m["lt"]:
+            bad(f"must be < {m['lt']}")
+    check = m.get("check")
+    if valid and check is not None:
+        try:
+            why = check(value)
+        except ValueError as exc:
+            why = str(exc)
+        if why:
+            bad(why)
+    return valid
+
+
+def _canonical_choice(a: attrs.Attribute, value, path: str, report: Report):
+    m = _meta(a)
+    choices = m.get("choices")
+    if choices is None or value is None:
+        return value, True
+    if m.get("case_insensitive") and isinstance(value, str):
+        for choice in choices:
+            if isinstance(choice, str) and choice.lower() == value.lower():
+                return choice, True
+    if value in choices:
+        return value, True
+    guess = suggest(str(value), [str(c) for c in choices])
+    hint = f" (did you mean {guess!r}?)" if guess else ""
+    report.error(path, f"{_show(value)} is not valid{hint}: must be one of {', '.join(repr(c) for c in choices)}")
+    return value, False
+
+
+def parse(cls, data, path: str = "", report: Optional[Report] = None):
+    """Parse ``data`` (a dict from JSON) into an instance of schema class ``cls``.
+
+    Errors go into ``report``; if it was not given, a :class:`ConfigError` is raised at the end.
+    A field with an error keeps its default so that parsing can continue and report the rest.
+    """
+    own_report = report is None
+    report = Report() if own_report else report
+    legacy = getattr(cls, "__legacy__", None)
+    if legacy is not None:
+        data = legacy(data, path, report)
+    if not isinstance(data, dict):
+        report.error(path, f"{_show(data)} is not valid: expected an object with keys "
+                     f"{', '.join(sorted(a.name for a in fields_of(cls)))}")
+        return _defaults(cls, report, path) if not own_report else report.raise_if_errors()
+    keys = key_map(cls)
+    values: Dict[str, Any] = {}
+    extra: Dict[str, Any] = {}
+    seen_from: Dict[str, str] = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        a = keys.get(key)
+        if a is None:
+            if getattr(cls, "__dsplug_extra_keys__", False):
+                extra[key] = value
+                continue
+            guess = suggest(str(key), [k for k in keys])
+            if guess:
+                report.error(sub, f"unknown key; did you mean {(path + '.' if path else '') + guess!r}?")
+            else:
+                valid = ", ".join(sorted(a.name for a in fields_of(cls)))
+                report.error(sub, f"unknown key. Valid keys here: {valid}")
+            continue
+        if a.name in seen_from:
+            report.error(sub, f"given twice (also as {seen_from[a.name]!r})")
+            continue
+        seen_from[a.name] = key
+        if is_auto(value):
+            if _meta(a).get("auto"):
+                values[a.name] = AUTO
+            else:
+                report.error(sub, '"auto" is not accepted here; give a concrete value')
+            continue
+        try:
+            stored = _coerce(a.type, value, sub, report)
+        except _Bad:
+            report.error(sub, f"{_show(value)} is not valid: expected {_type_name(a.type)}")
+            continue
+        stored, ok = _canonical_choice(a, stored, sub, report)
+        if ok and _check_value(a, stored, sub, report):
+            values[a.name] = stored
+    for a in fields_of(cls):
+        if a.name not in values and a.default is attrs.NOTHING:
+            sub = f"{path}.{a.name}" if path else a.name
+            report.error(sub, f"required key is missing ({_meta(a).get('doc') or _type_name(a.type)})")
+    if own_report:
+        report.raise_if_errors()
+    try:
+        instance = cls(**{k: v for k, v in values.items()})
+    except TypeError:  # a required field missing: already reported
+        instance = _defaults(cls, report, path)
+    if extra:
+        object.__setattr__(instance, "__extra__", extra)
+    return instance
+
+
+def _defaults(cls, report: Report, path: str):
+    try:
+        return cls()
+    except TypeError:
+        return None
+
+
+def extra_of(instance) -> Dict[str, Any]:
+    return dict(getattr(instance, "__extra__", {}) or {})
+
+
+def to_dict(instance) -> Dict[str, Any]:
+    """The JSON form of a parsed schema instance (inverse of :func:`parse`)."""
+
+    def convert(value):
+        if attrs.has(type(value)):
+            return to_dict(value)
+        if isinstance(value, tuple):
+            return [convert(v) for v in value]
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    out = {a.name: convert(getattr(instance, a.name)) for a in fields_of(type(instance))}
+    out.update(extra_of(instance))
+    return out
+
+
+def describe(cls, prefix: str = "") -> List[Tuple[str, str, str, str]]:
+    """(path, type, default, doc) for every field, nested sections flattened (for docs / explain)."""
+    rows = []
+    for a in fields_of(cls):
+        path = f"{prefix}.{a.name}" if prefix else a.name
+        if attrs.has(a.type):
+            rows.extend(describe(a.type, path))
+            continue
+        default = a.default.factory() if isinstance(a.default, attrs.Factory) else a.default
+        rows.append((path, _type_name(a.type), repr(default), _meta(a).get("doc", "")))
+    return rows
+
+
+def replace(instance, **changes):
+    """A copy of a frozen schema instance with some fields changed (keeps ``__extra__``)."""
+    new = attrs.evolve(instance, **changes)
+    if getattr(instance, "__extra__", None):
+        object.__setattr__(new, "__extra__", dict(instance.__extra__))
+    return new

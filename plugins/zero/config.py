@@ -1,0 +1,166 @@
+"""Schema of the ``zero_optimization`` section (every key DeepSpeed documents) and its rules.
+
+Legacy forms accepted with a deprecation warning:
+* ``"zero_optimization": true`` / ``false`` -> ``{"stage": 1}`` / ``{"stage": 0}``;
+* ``cpu_offload: true`` -> ``offload_optimizer: {"device": "cpu"}``;
+* ``cpu_offload_params: true`` -> ``offload_param: {"device": "cpu"}``;
+* ``cpu_offload_use_pin_memory`` -> ``pin_memory`` of both offload sections.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from dsplug.config.schema import field, is_auto, schema
+
+BIG = 10**9
+
+
+@schema
+class OffloadParamConfig:
+    device: str = field("none", doc="where parameter partitions live: none, cpu or nvme")
+    nvme_path: Optional[str] = field("/local_nvme", doc="directory of the swap files for device=nvme")
+    pin_memory: bool = field(False, doc="page-locked host buffers (with an accelerator)")
+    buffer_count: int = field(5, ge=1, doc="number of buffers for swapping parameters in")
+    buffer_size: int = field(10**8, ge=1, doc="elements per swap buffer")
+    max_in_cpu: int = field(BIG, ge=0, doc="parameter elements kept in CPU memory with device=nvme")
+
+
+@schema
+class OffloadOptimizerConfig:
+    device: str = field("none", doc="where optimizer states live: none, cpu or nvme")
+    nvme_path: Optional[str] = field("/local_nvme", doc="directory of the swap files for device=nvme")
+    pin_memory: bool = field(False, doc="page-locked host buffers (with an accelerator)")
+    buffer_count: int = field(4, ge=1, doc="buffers in the pool for swapping optimizer states")
+    fast_init: bool = field(False, doc="initialise the nvme swap files lazily")
+    ratio: float = field(1.0, ge=0.0, le=1.0, doc="fraction of the optimizer step done on the CPU")
+    pipeline_read: bool = field(False, doc="overlap reading the next sub-group with the current step")
+    pipeline_write: bool = field(False, doc="overlap writing the previous sub-group with the current step")
+
+
+@schema
+class ZeroConfig:
+    stage: int = field(0, ge=0, le=3, doc="0 off; 1 optimizer states; 2 + gradients; 3 + parameters")
+    allgather_partitions: bool = field(True, doc="all-gather updated partitions (else broadcasts)")
+    allgather_bucket_size: int = field(5 * 10**8, ge=1, doc="elements all-gathered at a time")
+    overlap_comm: bool = field(False, doc="overlap gradient reduction with backward")
+    reduce_scatter: bool = field(True, doc="reduce gradients with reduce-scatter (else all-reduce)")
+    reduce_bucket_size: int = field(5 * 10**8, ge=1, auto=True, doc="elements reduced at a time")
+    contiguous_gradients: bool = field(True, doc="copy gradients into one contiguous buffer")
+    load_from_fp32_weights: bool = field(True, doc="restore fp32 master weights from the checkpoint's fp32 copy")
+    grad_hooks: bool = field(True, doc="stage 1: reduce gradients from backward hooks")
+    round_robin_gradients: bool = field(False, doc="spread gradient copies over ranks round-robin")
+    offload_param: OffloadParamConfig = field(factory=OffloadParamConfig)
+    offload_optimizer: OffloadOptimizerConfig = field(factory=OffloadOptimizerConfig)
+    sub_group_size: int = field(BIG, ge=1, doc="elements of optimizer state stepped (and swapped) together")
+    stage3_max_live_parameters: int = field(BIG, ge=0, aliases=("max_live_parameters",),
+                                            doc="parameters resident per rank before releasing")
+    stage3_max_reuse_distance: int = field(BIG, ge=0, aliases=("max_reuse_distance",),
+                                           doc="keep a parameter if reused within this many parameters")
+    stage3_prefetch_bucket_size: int = field(5 * 10**7, ge=0, auto=True, aliases=("prefetch_bucket_size",),
+                                             doc="elements prefetched ahead of use")
+    stage3_param_persistence_threshold: int = field(10**5, ge=0, auto=True,
+                                                    aliases=("param_persistence_threshold",),
+                                                    doc="parameters smaller than this stay whole on every rank")
+    stage3_model_persistence_threshold: int = field(2**63 - 1, ge=0, aliases=("model_persistence_threshold",),
+                                                    doc="total elements of persistent parameters allowed")
+    stage3_gather_16bit_weights_on_model_save: bool = field(
+        False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
+        doc="gather the full 16-bit weights in save_16bit_model()")
+    stage3_module_granularity_threshold: int = field(0, ge=0, doc="treat modules below this size as leaves")
+    elastic_checkpoint: bool = field(False, doc="checkpoints loadable at another world size")
+    ignore_unused_parameters: bool = field(True, doc="tolerate parameters that get no gradient")
+    legacy_stage1: bool = field(False, doc="DeepSpeed's older stage 1 implementation")
+    memory_efficient_linear: bool = field(True, doc="stage 3: memory-efficient linear autograd function")
+    use_multi_rank_bucket_allreduce: bool = field(True, doc="bucketed all-reduce across ranks")
+    zero_hpz_partition_size: int = field(1, ge=1, doc="ZeRO++ hierarchical partition size (1 = off)")
+    zero_quantized_weights: bool = field(False, doc="ZeRO++ quantized weight communication")
+    zero_quantized_nontrainable_weights: bool = field(False, doc="ZeRO++ quantized frozen weights")
+    zero_quantized_gradients: bool = field(False, doc="ZeRO++ quantized gradient communication")
+    mics_shard_size: int = field(-1, ge=-1, doc="MiCS shard group size (-1 = off)")
+    mics_hierarchical_params_gather: bool = field(False, doc="MiCS hierarchical all-gather")
+    log_trace_cache_warnings: bool = field(False, doc="stage 3: warn when the module trace changes")
+
+    @staticmethod
+    def __legacy__(data, path, report):
+        """Rewrite DeepSpeed's early forms into the modern one, warning with the modern text."""
+        if isinstance(data, bool):
+            modern = {"stage": 1 if data else 0}
+            report.warn(path, f"\"{path}\": {json.dumps(data)} is deprecated; write \"{path}\": {json.dumps(modern)}")
+            return modern
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        pin = data.pop("cpu_offload_use_pin_memory", None)
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+            if old not in data:
+                continue
+            value = data.pop(old)
+            if not isinstance(value, bool):
+                report.error(f"{path}.{old}", f"{value!r} is not valid: expected a boolean (legacy key; use {new})")
+                continue
+            if new in data:
+                report.error(f"{path}.{old}", f"given together with {new}; keep only {new}")
+                continue
+            if value:
+                section = {"device": "cpu"}
+                if pin is not None:
+                    section["pin_memory"] = pin
+                data[new] = section
+                report.warn(f"{path}.{old}", f"\"{old}\": true is deprecated; write \"{new}\": {json.dumps(section)}")
+            else:
+                report.warn(f"{path}.{old}", f"\"{old}\": false is deprecated; leave out \"{new}\" instead")
+        if pin is not None and not any(k in data for k in ("offload_optimizer", "offload_param")):
+            report.warn(f"{path}.cpu_offload_use_pin_memory", "deprecated and ignored without cpu_offload; "
+                        "use offload_optimizer.pin_memory")
+        return data
+
+
+# ------------------------------------------------------------------------------------ rules
+ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+               "zero_quantized_gradients")
+
+
+def zeropp_not_available(config, report) -> None:
+    zero = config.sections.get("zero_optimization")
+    if zero is None:
+        return
+    for key in ZEROPP_KEYS:
+        value = getattr(zero, key)
+        if value not in (False, 1):
+            report.error(f"zero_optimization.{key}", f"{value!r}: ZeRO++ ({key}) is not available in dsplug yet; "
+                         f"leave it at its default ({1 if key == 'zero_hpz_partition_size' else False})")
+    if zero.mics_shard_size != -1:
+        report.error("zero_optimization.mics_shard_size", "MiCS is not available in dsplug yet; leave it at -1")
+
+
+def offload_devices_installed(config, report) -> None:
+    zero = config.sections.get("zero_optimization")
+    if zero is None:
+        return
+    for key in ("offload_param", "offload_optimizer"):
+        section = getattr(zero, key)
+        device = section.device
+        if device == "none":
+            continue
+        if config.registry.find("offload_device", device) is None:
+            report.error(f"zero_optimization.{key}.device", config.registry.miss_message("offload_device", device)
+                         + " ('none' turns offload off)")
+            continue
+        if device == "nvme" and not section.nvme_path:
+            report.error(f"zero_optimization.{key}.nvme_path", "device 'nvme' needs nvme_path: the directory "
+                         "for the swap files")
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        report.error("zero_optimization.offload_param", f"offloading parameters needs stage 3 "
+                     f"(zero_optimization.stage is {zero.stage})")
+
+
+def zero_stage_installed(config, report) -> None:
+    zero = config.sections.get("zero_optimization")
+    if zero is None or is_auto(zero.stage):
+        return
+    if config.registry.find("zero_stage", str(zero.stage)) is None:
+        report.error("zero_optimization.stage", config.registry.miss_message("zero_stage", str(zero.stage)))
+
+
+RULES = (zeropp_not_available, offload_devices_installed, zero_stage_installed)
