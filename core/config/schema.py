@@ -261,14 +261,16 @@ def _coerce(tp, value, path: str, report: Report):
     return value
 
 
-def _check_value(a: attrs.Attribute, value, path: str, report: Report) -> bool:
+def _check_value(a: attrs.Attribute, value, path: str, report: Report, given=_NOTHING) -> bool:
+    """Range / custom checks on the stored ``value``; messages show the ``given`` JSON value."""
     m = _meta(a)
     valid = True
+    shown = _show(value if given is _NOTHING else given)
 
     def bad(why: str):
         nonlocal valid
         valid = False
-        report.error(path, f"{_show(value)} is not valid: {why}")
+        report.error(path, f"{shown} is not valid: {why}")
 
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if m.get("ge") is not None and value < m["ge"]:
@@ -356,7 +358,7 @@ def parse(cls, data, path: str = "", report: Optional[Report] = None):
             report.error(sub, f"{_show(value)} is not valid: expected {_type_name(a.type)}")
             continue
         stored, ok = _canonical_choice(a, stored, sub, report)
-        if ok and _check_value(a, stored, sub, report):
+        if ok and _check_value(a, stored, sub, report, given=value):
             values[a.name] = stored
     for a in fields_of(cls):
         if a.name not in values and a.default is attrs.NOTHING:

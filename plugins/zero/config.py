@@ -127,9 +127,10 @@ def zeropp_not_available(config, report) -> None:
         return
     for key in ZEROPP_KEYS:
         value = getattr(zero, key)
-        if value not in (False, 1):
-            report.error(f"zero_optimization.{key}", f"{value!r}: ZeRO++ ({key}) is not available in dsplug yet; "
-                         f"leave it at its default ({1 if key == 'zero_hpz_partition_size' else False})")
+        default = 1 if key == "zero_hpz_partition_size" else False
+        if value != default:
+            report.error(f"zero_optimization.{key}", f"ZeRO++ ({key}) is not available in dsplug yet "
+                         f"(got {json.dumps(value)}); leave it at {json.dumps(default)}")
     if zero.mics_shard_size != -1:
         report.error("zero_optimization.mics_shard_size", "MiCS is not available in dsplug yet; leave it at -1")
 

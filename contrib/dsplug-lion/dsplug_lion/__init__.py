@@ -1,0 +1,4 @@
+"""Lion optimizer plugin for dsplug."""
+from .lion import Lion
+
+__all__ = ["Lion"]

@@ -1,0 +1,257 @@
+"""The kernel's strict config rules, asserted by message content."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsplug.config import ConfigError, DsplugConfig, DsplugDeprecationWarning, fill_auto, infer_batch, parse, to_dict
+from dsplug.config.batch import BatchError
+from dsplug.config.kernel_schema import KernelConfig
+from dsplug.config.schema import Report
+from dsplug.plugins.zero.config import ZeroConfig
+
+
+def errors_of(config, world_size=1, **kw):
+    with pytest.raises(ConfigError) as err:
+        DsplugConfig(config, world_size=world_size, **kw)
+    return [str(i) for i in err.value.issues]
+
+
+# ---------------------------------------------------------------------------- loading
+def test_loads_path_dict_json_text_and_hjson(tmp_path):
+    data = {"train_batch_size": 8, "steps_per_print": 5}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(data))
+    hjson_path = tmp_path / "ds.hjson"
+    hjson_path.write_text("{\n  # comment\n  train_batch_size: 8\n  steps_per_print: 5\n}\n")
+    for source in (data, json.dumps(data), str(path), path, str(hjson_path)):
+        config = DsplugConfig(source, world_size=2)
+        assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.steps_per_print) == (8, 4, 5)
+    assert DsplugConfig(str(path), world_size=1).source == str(path)
+
+
+def test_bad_json_names_file_line_and_column(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  "train_batch_size": 8,,\n}')
+    with pytest.raises(ConfigError, match=r"broken\.json is not valid JSON: .* line 2 column"):
+        DsplugConfig(str(path), world_size=1)
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        DsplugConfig(str(tmp_path / "missing.json"))
+
+
+# ---------------------------------------------------------------------------- unknown keys
+def test_unknown_nested_key_names_json_path_and_closest_key():
+    errors = errors_of({"train_batch_size": 4, "zero_optimization": {"stage": 0, "overlap_com": True}})
+    assert any(e.startswith("zero_optimization.overlap_com: unknown key; did you mean "
+                            "'zero_optimization.overlap_comm'?") for e in errors), errors
+
+
+def test_unknown_top_level_key_differs_from_documented_but_missing_section():
+    errors = errors_of({"train_batch_size": 4, "steps_per_prnt": 1, "sparse_attention": {"mode": "fixed"}})
+    typo = next(e for e in errors if e.startswith("steps_per_prnt"))
+    missing = next(e for e in errors if e.startswith("sparse_attention"))
+    assert "unknown top-level key; did you mean 'steps_per_print'?" in typo
+    assert "DeepSpeed's sparse attention section, but no installed dsplug plugin provides it (yet)" in missing
+    assert "unknown" not in missing
+
+
+def test_every_error_is_reported_not_only_the_first():
+    errors = errors_of({
+        "train_batch_size": 0,
+        "gradient_clipping": "big",
+        "wall_clock_breakdown": "yes",
+        "communication_data_type": "fp8",
+        "checkpoint": {"tag_validation": "Sometimes"},
+    })
+    joined = "\n".join(errors)
+    assert "train_batch_size: 0 is not valid: must be >= 1" in joined
+    assert "gradient_clipping: 'big' is not valid: expected a number" in joined
+    assert "wall_clock_breakdown: 'yes' is not valid: expected a boolean" in joined
+    assert "communication_data_type: 'fp8' is not valid: must be one of 'fp32', 'fp16', 'bf16'" in joined
+    assert "checkpoint.tag_validation: 'Sometimes' is not valid" in joined and "'Ignore', 'Warn', 'Fail'" in joined
+
+
+def test_integral_floats_are_integers_like_deepspeed_but_fractions_are_not():
+    config = DsplugConfig({"train_batch_size": 4, "zero_optimization": {"reduce_bucket_size": 5e8}}, world_size=1) \
+        if _stage_zero_installed() else None
+    zero = parse(ZeroConfig, {"reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8})
+    assert zero.reduce_bucket_size == 500_000_000 and isinstance(zero.reduce_bucket_size, int)
+    report = Report()
+    parse(ZeroConfig, {"reduce_bucket_size": 2.5}, "zero_optimization", report)
+    assert str(report.errors[0]) == "zero_optimization.reduce_bucket_size: 2.5 is not valid: expected an integer"
+    if config is not None:
+        assert config.section("zero_optimization").reduce_bucket_size == 500_000_000
+
+
+def _stage_zero_installed():
+    from dsplug.registry import get_registry
+
+    return get_registry().find("zero_stage", "0") is not None
+
+
+def test_case_insensitive_choices_store_canonical_spelling():
+    config = DsplugConfig({"train_batch_size": 2, "checkpoint": {"tag_validation": "fail"}}, world_size=1)
+    assert config.checkpoint.tag_validation == "Fail"
+
+
+def test_kernel_rule_communication_dtype():
+    errors = errors_of({"train_batch_size": 2, "fp32_allreduce": True, "communication_data_type": "bf16"})
+    assert any("communication_data_type: 'bf16' contradicts fp32_allreduce=true" in e for e in errors)
+
+
+# ---------------------------------------------------------------------------- batch sizes
+def test_batch_triple_inconsistent_with_world_size():
+    errors = errors_of({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                        "gradient_accumulation_steps": 2}, world_size=3)
+    assert any("train_batch_size=32 is not train_micro_batch_size_per_gpu=4 × gradient_accumulation_steps=2 × "
+               "world size 3 (= 24)" in e for e in errors)
+
+
+def test_batch_needs_something():
+    errors = errors_of({"gradient_accumulation_steps": 2}, world_size=1)
+    assert any("set train_batch_size or train_micro_batch_size_per_gpu" in e for e in errors)
+
+
+def test_batch_without_world_size_checks_the_triple_implies_one():
+    DsplugConfig({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    errors = errors_of({"train_batch_size": 25, "train_micro_batch_size_per_gpu": 4,
+                        "gradient_accumulation_steps": 2}, world_size=None)
+    assert any("no world size fits" in e for e in errors)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mb=st.integers(1, 64), gas=st.integers(1, 16), world=st.integers(1, 64),
+       which=st.sampled_from(["tb+mb", "tb+gas", "mb+gas", "all"]))
+def test_batch_inference_recovers_the_missing_member(mb, gas, world, which):
+    tb = mb * gas * world
+    given_ = {"tb+mb": (tb, mb, None), "tb+gas": (tb, None, gas), "mb+gas": (None, mb, gas), "all": (tb, mb, gas)}
+    assert infer_batch(*given_[which], world) == (tb, mb, gas)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tb=st.integers(1, 4096), mb=st.integers(1, 64), gas=st.integers(1, 16), world=st.integers(1, 64))
+def test_batch_inference_never_returns_an_inconsistent_triple(tb, mb, gas, world):
+    for args in ((tb, mb, None), (tb, None, gas), (tb, mb, gas), (tb, None, None)):
+        try:
+            got = infer_batch(*args, world)
+        except BatchError as exc:
+            assert "train_batch_size" in str(exc)
+            continue
+        assert got[0] == got[1] * got[2] * world
+        assert all(given_v is None or given_v == v for given_v, v in zip(args, got))
+
+
+# ---------------------------------------------------------------------------- round trips
+kernel_values = st.fixed_dictionaries({}, optional={
+    "gradient_clipping": st.floats(0, 10, allow_nan=False),
+    "steps_per_print": st.integers(1, 1000),
+    "wall_clock_breakdown": st.booleans(),
+    "prescale_gradients": st.booleans(),
+    "gradient_predivide_factor": st.floats(0.5, 8, allow_nan=False),
+    "communication_data_type": st.sampled_from([None, "fp32", "fp16", "bf16"]),
+    "checkpoint": st.fixed_dictionaries({}, optional={"tag_validation": st.sampled_from(["Ignore", "Warn", "Fail"]),
+                                                      "load_universal": st.booleans()}),
+    "data_types": st.fixed_dictionaries({}, optional={"grad_accum_dtype": st.sampled_from(["fp32", "bf16"])}),
+})
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=kernel_values)
+def test_kernel_config_round_trips(values):
+    first = parse(KernelConfig, values)
+    again = parse(KernelConfig, json.loads(json.dumps(to_dict(first))))
+    assert again == first
+
+
+@settings(max_examples=60, deadline=None)
+@given(stage=st.integers(0, 3), bucket=st.integers(1, 10**9), overlap=st.booleans(),
+       device=st.sampled_from(["none", "cpu", "nvme"]), ratio=st.floats(0, 1, allow_nan=False))
+def test_zero_section_round_trips(stage, bucket, overlap, device, ratio):
+    data = {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": overlap,
+            "offload_optimizer": {"device": device, "ratio": ratio}}
+    first = parse(ZeroConfig, data)
+    assert parse(ZeroConfig, json.loads(json.dumps(to_dict(first)))) == first
+
+
+# ---------------------------------------------------------------------------- "auto"
+def test_auto_batch_sizes_resolve_from_the_other_two_and_world():
+    config = DsplugConfig({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 2}, world_size=3, strict_auto=True)
+    assert config.train_batch_size == 24
+
+
+def test_fill_auto_by_path_by_key_and_from_hidden_size():
+    raw = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "eps": "auto"}},
+           "zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto"},
+           "gradient_clipping": "auto"}
+    out = fill_auto(raw, {"optimizer.params.lr": 3e-4, "eps": 1e-6, "gradient_clipping": 1.0}, hidden_size=1024)
+    assert out["optimizer"]["params"] == {"lr": 3e-4, "eps": 1e-6}
+    assert out["zero_optimization"] == {"reduce_bucket_size": 1024 * 1024,
+                                        "stage3_prefetch_bucket_size": int(0.9 * 1024 * 1024),
+                                        "stage3_param_persistence_threshold": 10 * 1024}
+    assert out["gradient_clipping"] == 1.0
+    assert raw["gradient_clipping"] == "auto"  # the input is not modified
+
+
+def test_unresolvable_auto_is_an_error_naming_it():
+    errors = errors_of({"train_batch_size": 4, "gradient_clipping": "auto"}, strict_auto=True)
+    assert any(e.startswith('gradient_clipping: "auto" is not resolved') and "fill_auto" in e for e in errors)
+    # the same config is valid for `config check`, like a Hugging Face template
+    DsplugConfig({"train_batch_size": 4, "gradient_clipping": "auto"}, world_size=1)
+
+
+def test_auto_only_where_accepted():
+    errors = errors_of({"train_batch_size": 4, "steps_per_print": "auto"})
+    assert any(e == 'steps_per_print: "auto" is not accepted here; give a concrete value' for e in errors)
+
+
+# ---------------------------------------------------------------------------- legacy forms
+def test_legacy_zero_true_becomes_stage_one_with_modern_form_in_warning():
+    report = Report()
+    zero = parse(ZeroConfig, True, "zero_optimization", report)
+    assert zero.stage == 1
+    assert str(report.warnings[0]) == ('zero_optimization: "zero_optimization": true is deprecated; write '
+                                       '"zero_optimization": {"stage": 1}')
+
+
+def test_legacy_cpu_offload_becomes_offload_optimizer():
+    report = Report()
+    zero = parse(ZeroConfig, {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True},
+                 "zero_optimization", report)
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory is True
+    assert 'write "offload_optimizer": {"device": "cpu", "pin_memory": true}' in str(report.warnings[0])
+
+
+def test_legacy_warning_is_emitted_through_warnings():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DsplugConfig({"train_batch_size": 2, "bfloat16": {"enabled": False}}, world_size=1) \
+            if _section_installed("bf16") else parse(ZeroConfig, True, "zero_optimization", Report())
+        if _section_installed("bf16"):
+            assert any(issubclass(w.category, DsplugDeprecationWarning) and 'write "bf16"' in str(w.message)
+                       for w in caught)
+
+
+def _section_installed(name):
+    from dsplug.registry import get_registry
+
+    return name in get_registry().sections()
+
+
+def test_zeropp_keys_validate_but_refuse_when_on():
+    errors = errors_of({"train_batch_size": 2, "zero_optimization": {"zero_quantized_weights": True}})
+    assert any(e == "zero_optimization.zero_quantized_weights: ZeRO++ (zero_quantized_weights) is not available "
+                    "in dsplug yet (got true); leave it at false" for e in errors), errors
+
+
+def test_offload_param_needs_stage_3_and_known_device():
+    errors = errors_of({"train_batch_size": 2, "zero_optimization": {
+        "stage": 0, "offload_param": {"device": "cpux"}}})
+    joined = "\n".join(errors)
+    assert "zero_optimization.offload_param.device" in joined and "no offload_device plugin named 'cpux'" in joined
+    assert "offloading parameters needs stage 3" in joined
