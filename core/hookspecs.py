@@ -22,7 +22,8 @@ optimizer          ``factory(params, config, context) -> torch.optim.Optimizer``
 scheduler          ``factory(optimizer, config, context) -> scheduler`` with ``step()``,
                    ``get_last_lr()``, ``state_dict()``, ``load_state_dict()``
 precision          ``factory(config, context) -> precision`` for the section it owns
-zero_stage         ``factory(config, context) -> stage`` for ``zero_optimization.stage``
+zero_stage         ``factory(module, param_groups, build_optimizer, precision, config, context)
+                   -> stage`` for ``zero_optimization.stage``: owns gradients -> update -> weights
 offload_device     ``factory(config, context) -> device`` for ``offload_*.device``
 monitor            ``factory(config, context) -> observer`` (an object with lifecycle hookimpls)
 compression        ``factory(config, context) -> method``

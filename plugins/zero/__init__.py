@@ -6,6 +6,21 @@ from dsplug import PluginSpec, hookimpl
 from .config import RULES, ZeroConfig
 
 
+def build_stage0(module, param_groups, build_optimizer, precision, zero_config, context):
+    from .stage0 import DataParallelStage
+
+    return DataParallelStage(module, param_groups, build_optimizer, precision, zero_config, context.config.kernel,
+                             context)
+
+
+@hookimpl
+def dsplug_zero_stages():
+    return [
+        PluginSpec(category="zero_stage", name="0", factory=build_stage0,
+                   summary="plain data parallel: all-reduce of gradients overlapped with backward"),
+    ]
+
+
 @hookimpl
 def dsplug_config_sections():
     return [

@@ -1,0 +1,228 @@
+"""The communication layer: every collective dsplug issues goes through these functions.
+
+A thin layer over ``torch.distributed`` (gloo on CPU, NCCL on CUDA, chosen by the accelerator
+plugin) so that logging, counting and backend gaps (gloo has no reduce-scatter) live in one place.
+Listeners (e.g. the comms logger plugin) see every collective with its size and latency.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+_listeners: List[object] = []
+
+
+# ------------------------------------------------------------------------------ process group
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True, timeout: timedelta = timedelta(minutes=30),
+                     init_method: Optional[str] = None, dist_init_required: Optional[bool] = None, config=None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialise the default process group, like ``deepspeed.init_distributed``.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK) as torch's launcher sets
+    them. With none of them set, a world of one process is created on 127.0.0.1.
+    """
+    if is_initialized():
+        return
+    if dist_init_required is False:
+        return
+    from ..accelerator import get_accelerator
+
+    backend = dist_backend or get_accelerator().communication_backend_name()
+    env_rank = os.environ.get("RANK")
+    env_world = os.environ.get("WORLD_SIZE")
+    if rank < 0:
+        rank = int(env_rank) if env_rank is not None else 0
+    if world_size < 0:
+        world_size = int(env_world) if env_world is not None else 1
+    if init_method is None:
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            if world_size > 1:
+                raise RuntimeError(
+                    f"dsplug.init_distributed: WORLD_SIZE={world_size} but MASTER_ADDR / MASTER_PORT are not set; "
+                    "start the processes with `dsplug launch` (or torchrun), or set them"
+                )
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        else:
+            init_method = "env://"
+    if verbose and rank == 0:
+        print(f"[dsplug] initializing process group: backend={backend} world_size={world_size}", flush=True)
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    accel = get_accelerator()
+    if accel.device_count() > 1 or accel.name != "cpu":
+        accel.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(1, accel.device_count()))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_backend(group=None) -> str:
+    return dist.get_backend(group) if is_initialized() else "none"
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ listeners
+def add_listener(listener) -> None:
+    """``listener.record(op, nbytes, latency_s, world_size)`` is called after each collective."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def remove_listener(listener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """Print the summary of every listener that keeps one (the comms logger)."""
+    printed = False
+    for listener in _listeners:
+        summary = getattr(listener, "log_summary", None)
+        if summary is not None:
+            summary()
+            printed = True
+    if not printed:
+        print("dsplug.comm.log_summary: no comms logger is active (enable the comms_logger config section)")
+
+
+class _Work:
+    """A finished-or-pending collective whose ``wait()`` also reports to listeners."""
+
+    def __init__(self, work, op: str, nbytes: int, start: float, world: int):
+        self.work, self.op, self.nbytes, self.start, self.world = work, op, nbytes, start, world
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        _report(self.op, self.nbytes, self.start, self.world)
+        return True
+
+    def is_completed(self):
+        return self.work is None or self.work.is_completed()
+
+
+def _report(op: str, nbytes: int, start: float, world: int) -> None:
+    if not _listeners:
+        return
+    latency = time.perf_counter() - start
+    for listener in _listeners:
+        listener.record(op, nbytes, latency, world)
+
+
+def _run(op: str, tensor_bytes: int, fn: Callable, async_op: bool, group):
+    world = get_world_size(group)
+    if world == 1 and not is_initialized():
+        return _Work(None, op, tensor_bytes, time.perf_counter(), 1) if async_op else None
+    start = time.perf_counter()
+    work = fn()
+    if async_op:
+        return _Work(work, op, tensor_bytes, start, world)
+    if _listeners:
+        _report(op, tensor_bytes, start, world)
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------------------ collectives
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return _run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                async_op, group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    return _run("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+                async_op, group)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Gather equal-sized ``input`` from every rank into ``output`` (rank-major)."""
+    def fn():
+        if get_backend(group) == "gloo":  # gloo lacks the fused form on older torch: use the list form
+            chunks = list(output.chunk(get_world_size(group)))
+            return dist.all_gather(chunks, input, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    return _run("all_gather", _nbytes(output), fn, async_op, group)
+
+
+def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False):
+    return _run("all_gather", _nbytes(tensor) * len(tensor_list),
+                lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op, group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """Reduce ``input`` over ranks and leave rank r's equal slice in ``output``.
+
+    gloo has no reduce-scatter: there it is an all-reduce of ``input`` (in place) followed by a
+    copy of this rank's slice, which moves more bytes but gives the same result.
+    """
+    def fn():
+        if get_backend(group) == "gloo":
+            dist.all_reduce(input, op=op, group=group)
+            output.copy_(input.chunk(get_world_size(group))[get_rank(group)])
+            return None
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    return _run("reduce_scatter", _nbytes(input), fn, async_op, group)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return _run("reduce", _nbytes(tensor), lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
+                async_op, group)
+
+
+def barrier(group=None) -> None:
+    _run("barrier", 0, lambda: dist.barrier(group=group), False, group)
+
+
+def all_gather_object(obj, group=None) -> list:
+    world = get_world_size(group)
+    if world == 1 and not is_initialized():
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    if get_world_size(group) == 1 and not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

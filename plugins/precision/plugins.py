@@ -1,0 +1,150 @@
+"""The precision plugins: fp32 (default), fp16, bf16 and amp, each owning its config section."""
+from __future__ import annotations
+
+import math
+
+from typing import Optional, Union
+
+from dsplug import PluginSpec, hookimpl
+from dsplug.config.schema import field, schema
+
+
+@schema
+class Fp16Config:
+    enabled: bool = field(False, auto=True, doc="train with fp16 parameters and fp32 master weights")
+    auto_cast: bool = field(False, doc="cast the inputs of forward to fp16")
+    loss_scale: float = field(0.0, ge=0, doc="0 = dynamic loss scaling; otherwise a static scale")
+    initial_scale_power: int = field(16, ge=0, le=128, doc="dynamic scaling starts at 2**this")
+    loss_scale_window: int = field(1000, ge=1, doc="overflow-free steps before the scale doubles")
+    hysteresis: int = field(2, ge=1, doc="overflows tolerated before the scale halves")
+    consecutive_hysteresis: bool = field(False, doc="refill hysteresis on every overflow-free step")
+    min_loss_scale: float = field(1.0, gt=0, doc="the dynamic scale never goes below this")
+    fp16_master_weights_and_grads: bool = field(False, doc="keep master weights in fp16 (ZeRO-Offload only)")
+
+
+@schema
+class Bf16Config:
+    enabled: bool = field(False, auto=True, doc="train with bf16 parameters and fp32 master weights")
+    immediate_grad_update: bool = field(False, doc="apply gradients as soon as they are reduced")
+    check_grad_overflow: bool = field(False, doc="skip steps whose gradients are not finite")
+
+
+def amp_loss_scale_value(value):
+    if isinstance(value, str) and value != "dynamic":
+        return "must be 'dynamic' or a positive number"
+    if not isinstance(value, str) and value <= 0:
+        return "must be 'dynamic' or a positive number"
+    return None
+
+
+@schema
+class AmpConfig:
+    enabled: bool = field(False, auto=True, doc="torch.autocast mixed precision around forward")
+    opt_level: str = field("O1", auto=True, choices=("O0", "O1", "O2", "O3"), case_insensitive=True,
+                           doc="O1: autocast; O0: fp32 (O2/O3: use the fp16 section instead)")
+    dtype: Optional[str] = field(None, choices=("fp16", "bf16"), doc="dsplug: autocast dtype (default: fp16 on "
+                                 "accelerators with fp16 autocast, bf16 on CPU)")
+    loss_scale: Union[str, float] = field("dynamic", check=amp_loss_scale_value,
+                                          doc="'dynamic' or a static number, for fp16 autocast")
+    min_loss_scale: Optional[float] = field(None, gt=0)
+    max_loss_scale: float = field(2.0 ** 24, gt=0)
+    keep_batchnorm_fp32: Optional[bool] = field(None)
+    master_weights: Optional[bool] = field(None)
+    cast_model_type: Optional[str] = field(None)
+    patch_torch_functions: Optional[bool] = field(None)
+    cast_model_outputs: Optional[str] = field(None)
+    num_losses: int = field(1, ge=1)
+    verbosity: int = field(1, ge=0)
+
+
+def _grad_accum_dtype(context, default):
+    from .policy import dtype_from_name
+
+    name = None
+    if context is not None and context.config is not None:
+        name = context.config.data_types.grad_accum_dtype
+    return dtype_from_name(name) if name else default
+
+
+def build_fp32(config, context):
+    import torch
+
+    from .policy import PrecisionPolicy
+
+    return PrecisionPolicy("fp32", torch.float32, grad_accum_dtype=_grad_accum_dtype(context, torch.float32))
+
+
+def build_fp16(config: Fp16Config, context):
+    import torch
+
+    from .loss_scaler import DynamicLossScaler, StaticLossScaler
+    from .policy import PrecisionPolicy
+
+    if config.loss_scale == 0:
+        scaler = DynamicLossScaler(config.initial_scale_power, config.loss_scale_window, config.hysteresis,
+                                   config.consecutive_hysteresis, config.min_loss_scale)
+    else:
+        scaler = StaticLossScaler(config.loss_scale)
+    return PrecisionPolicy("fp16", torch.float16, master_weights=True,
+                           grad_accum_dtype=_grad_accum_dtype(context, torch.float16), loss_scaler=scaler)
+
+
+def build_bf16(config: Bf16Config, context):
+    import torch
+
+    from .policy import PrecisionPolicy
+
+    return PrecisionPolicy("bf16", torch.bfloat16, master_weights=True,
+                           grad_accum_dtype=_grad_accum_dtype(context, torch.float32))
+
+
+def build_amp(config: AmpConfig, context):
+    import torch
+
+    from .loss_scaler import DynamicLossScaler, StaticLossScaler
+    from .policy import PrecisionPolicy, dtype_from_name
+
+    device_type = context.accelerator.name if context is not None and context.accelerator is not None else "cpu"
+    if config.opt_level == "O0":
+        return PrecisionPolicy("amp", torch.float32, device_type=device_type)
+    dtype = dtype_from_name(config.dtype or ("bf16" if device_type == "cpu" else "fp16"))
+    scaler = None
+    if dtype == torch.float16:
+        if config.loss_scale == "dynamic":
+            power = min(16, int(math.log2(config.max_loss_scale)))
+            scaler = DynamicLossScaler(initial_scale_power=power, min_scale=config.min_loss_scale or 1.0)
+        else:
+            scaler = StaticLossScaler(float(config.loss_scale))
+    return PrecisionPolicy("amp", torch.float32, grad_accum_dtype=torch.float32, loss_scaler=scaler,
+                           autocast_dtype=dtype, device_type=device_type)
+
+
+# ------------------------------------------------------------------------------------ rules
+def one_precision_mode(config, report) -> None:
+    enabled = [name for name in ("fp16", "bf16", "amp")
+               if getattr(config.sections.get(name), "enabled", False) is True]
+    if len(enabled) > 1:
+        report.error(enabled[1], f"{' and '.join(enabled)} are both enabled; enable at most one precision mode "
+                     "(fp16 xor bf16, and amp with neither)")
+    amp = config.sections.get("amp")
+    if amp is not None and amp.enabled is True:
+        zero = config.sections.get("zero_optimization")
+        if zero is not None and zero.stage not in (0, "auto"):
+            report.error("amp.enabled", f"amp cannot be combined with ZeRO (zero_optimization.stage is {zero.stage}); "
+                         "use the fp16 or bf16 section with ZeRO")
+        if amp.opt_level in ("O2", "O3"):
+            report.error("amp.opt_level", f"{amp.opt_level!r} is not supported by dsplug's amp; use O1 (autocast), "
+                         "or the fp16 section for O2-style fp16 weights with fp32 master weights")
+
+
+@hookimpl
+def dsplug_precisions():
+    return [
+        PluginSpec(category="precision", name="fp32", factory=build_fp32, summary="full precision (default)"),
+        PluginSpec(category="precision", name="fp16", section="fp16", schema=Fp16Config, factory=build_fp16,
+                   rules=(one_precision_mode,), summary="fp16 weights, fp32 master weights, loss scaling"),
+        PluginSpec(category="precision", name="bf16", aliases=("bfloat16",), section="bf16", schema=Bf16Config,
+                   factory=build_bf16, summary="bf16 weights, fp32 master weights and gradient accumulation"),
+        PluginSpec(category="precision", name="amp", section="amp", schema=AmpConfig, factory=build_amp,
+                   summary="torch.autocast around forward (Apex O1 semantics)"),
+    ]

@@ -1,0 +1,54 @@
+"""What a precision plugin builds: the policy the engine and the ZeRO stage follow."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import attrs
+
+
+@attrs.define
+class PrecisionPolicy:
+    """name:            the plugin name (fp32, fp16, bf16, amp)
+    model_dtype:     dtype the module's parameters are cast to
+    master_weights:  keep fp32 master copies that the optimizer updates
+    grad_accum_dtype: dtype gradients accumulate in between micro-steps
+    loss_scaler:     a loss scaler (fp16) or None
+    autocast_dtype:  dtype for torch.autocast around forward (amp) or None
+    """
+
+    name: str
+    model_dtype: Any
+    master_weights: bool = False
+    grad_accum_dtype: Any = None
+    loss_scaler: Optional[Any] = None
+    autocast_dtype: Any = None
+    device_type: str = "cpu"
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def checks_overflow(self) -> bool:
+        return self.loss_scaler is not None
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def state_dict(self):
+        return {"loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    def load_state_dict(self, state):
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+def dtype_from_name(name):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]

@@ -1,0 +1,98 @@
+"""Gradient buckets: average gradients over ranks while backward is still running.
+
+Parameters are grouped, in the order backward produces their gradients (reverse registration
+order), into buckets of at most ``bucket_elements`` elements. When every gradient of a bucket is
+final, it is flattened into the bucket's buffer (in the communication dtype) and an asynchronous
+all-reduce starts. Buckets always start in index order on every rank — a bucket waits for all
+earlier ones — so the collectives of all ranks match even if some parameter gets no gradient.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+class GradientBuckets:
+    def __init__(self, params: List[torch.nn.Parameter], bucket_elements: int, comm, world_size: int, dtype,
+                 prescale: bool, predivide: float, grad_of: Callable, set_grad: Callable):
+        self.comm = comm
+        self.world_size = world_size
+        self.dtype = dtype
+        self.prescale = prescale
+        self.predivide = float(predivide)
+        self.grad_of = grad_of
+        self.set_grad = set_grad
+        self.buckets: List[List[torch.nn.Parameter]] = []
+        current, size = [], 0
+        for p in reversed(params):
+            if current and size + p.numel() > bucket_elements:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            self.buckets.append(current)
+        self.bucket_of: Dict[torch.nn.Parameter, int] = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.buffers: List[Optional[torch.Tensor]] = [None] * len(self.buckets)
+        self.start_round()
+
+    def start_round(self) -> None:
+        self.pending = [len(b) for b in self.buckets]
+        self.next_launch = 0
+        self.works: List[object] = []
+
+    def mark_ready(self, p) -> None:
+        index = self.bucket_of.get(p)
+        if index is None:
+            return
+        self.pending[index] -= 1
+        while self.next_launch < len(self.buckets) and self.pending[self.next_launch] <= 0:
+            self._launch(self.next_launch)
+            self.next_launch += 1
+
+    def finish_round(self) -> None:
+        """Launch what is left (parameters without gradients count as zeros), wait, write back."""
+        while self.next_launch < len(self.buckets):
+            self._launch(self.next_launch)
+            self.next_launch += 1
+        for index, work in self.works:
+            if work is not None:
+                work.wait()
+            self._write_back(index)
+        self.works = []
+
+    def _launch(self, index: int) -> None:
+        params = self.buckets[index]
+        grads = []
+        for p in params:
+            g = self.grad_of(p)
+            if g is None:
+                g = torch.zeros_like(p, dtype=self.dtype)
+                self.set_grad(p, g)
+            grads.append(g)
+        numel = sum(g.numel() for g in grads)
+        buf = self.buffers[index]
+        if buf is None or buf.numel() != numel or buf.device != grads[0].device:
+            buf = self.buffers[index] = torch.empty(numel, dtype=self.dtype, device=grads[0].device)
+        flat = [g.reshape(-1) for g in grads]
+        if all(g.dtype == buf.dtype for g in flat):
+            torch.cat(flat, out=buf)
+        else:
+            buf.copy_(torch.cat(flat))
+        if self.prescale:
+            buf.div_(self.world_size)
+        elif self.predivide != 1.0:
+            buf.div_(self.predivide)
+        self.works.append((index, self.comm.all_reduce(buf, async_op=True)))
+
+    def _write_back(self, index: int) -> None:
+        buf = self.buffers[index]
+        if not self.prescale:
+            buf.mul_(self.predivide / self.world_size)
+        offset = 0
+        for p in self.buckets[index]:
+            g = self.grad_of(p)
+            n = g.numel()
+            g.copy_(buf[offset:offset + n].view_as(g))
+            offset += n

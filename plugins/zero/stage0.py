@@ -1,0 +1,189 @@
+"""ZeRO stage 0: plain data parallelism with mixed-precision master weights.
+
+Every rank holds everything. Gradients are averaged over ranks once per optimizer step: during
+the backward pass of the last micro-step, gradients are copied into fixed-size buckets (in the
+order backward produces them) and each full bucket's all-reduce starts asynchronously, so
+communication overlaps the rest of backward. Between micro-steps gradients accumulate locally
+(in ``grad_accum_dtype``).
+
+At the step: the averaged gradients become the fp32 master gradients, are unscaled (fp16),
+checked for overflow, clipped to the global norm, and the optimizer updates the master weights,
+which are copied back into the (possibly 16-bit) model parameters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .buckets import GradientBuckets
+
+
+class DataParallelStage:
+    stage = 0
+
+    def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
+                 kernel_config, context):
+        self.module = module
+        self.precision = precision
+        self.context = context
+        self.comm = context.comm
+        self.world_size = context.world_size
+        self.clip = float(kernel_config.gradient_clipping or 0.0)
+        self.params: List[torch.nn.Parameter] = [p for g in param_groups for p in g["params"]]
+        if precision.master_weights:
+            self.master: Dict[torch.nn.Parameter, torch.Tensor] = {
+                p: p.detach().to(torch.float32).clone().requires_grad_(False) for p in self.params
+            }
+            groups = [{**g, "params": [self.master[p] for p in g["params"]]} for g in param_groups]
+        else:
+            self.master = {}
+            groups = param_groups
+        self.optimizer = build_optimizer(groups)
+        accum = precision.grad_accum_dtype or precision.model_dtype
+        self.accum_dtype = accum
+        self.accumulators: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        comm_dtype = _comm_dtype(kernel_config, accum)
+        self.buckets = GradientBuckets(
+            self.params, bucket_elements=_bucket_elements(zero_config), comm=self.comm, world_size=self.world_size,
+            dtype=comm_dtype, prescale=kernel_config.prescale_gradients,
+            predivide=kernel_config.gradient_predivide_factor, grad_of=self._grad_of, set_grad=self._set_grad,
+        ) if self.world_size > 1 else None
+        self._boundary = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.last_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ backward
+    def _needs_accumulator(self, p) -> bool:
+        return p.dtype != self.accum_dtype
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self._needs_accumulator(p):
+            acc = self.accumulators.get(p)
+            if acc is None:
+                self.accumulators[p] = p.grad.detach().to(self.accum_dtype)
+            else:
+                acc.add_(p.grad.detach())
+            p.grad = None
+        if self._boundary and self.buckets is not None:
+            self.buckets.mark_ready(p)
+
+    def _grad_of(self, p) -> Optional[torch.Tensor]:
+        return self.accumulators.get(p) if self._needs_accumulator(p) else p.grad
+
+    def _set_grad(self, p, grad: torch.Tensor) -> None:
+        if self._needs_accumulator(p):
+            self.accumulators[p] = grad.to(self.accum_dtype)
+        else:
+            p.grad = grad.to(p.dtype)
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self._boundary = is_boundary
+        if is_boundary and self.buckets is not None:
+            self.buckets.start_round()
+
+    def after_backward(self) -> None:
+        if self._boundary and self.buckets is not None:
+            self.buckets.finish_round()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> bool:
+        """Apply one optimizer step; return False if an overflow skipped it."""
+        grads = self._master_grads()
+        scale = self.precision.loss_scale
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = _global_norm(grads)
+        self.last_grad_norm = norm
+        overflow = self.precision.checks_overflow and not math.isfinite(norm)
+        if self.precision.loss_scaler is not None:
+            self.precision.loss_scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            return False
+        if self.clip > 0 and norm > self.clip:
+            torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
+        self.optimizer.step()
+        if self.master:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], [self.master[p] for p in self.params])
+        self.zero_grad()
+        return True
+
+    def _master_grads(self) -> List[torch.Tensor]:
+        grads = []
+        for p in self.params:
+            g = self._grad_of(p)
+            if g is None:
+                g = torch.zeros_like(p, dtype=torch.float32 if self.master else p.dtype)
+            target = self.master[p] if self.master else p
+            if self.master:
+                target.grad = g.to(torch.float32) if g.dtype != torch.float32 else g
+            else:
+                target.grad = g
+            grads.append(target.grad)
+        return grads
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.master.values():
+            m.grad = None
+        self.accumulators.clear()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.master:
+            state["master_weights"] = [self.master[p] for p in self.params]
+        return state
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.master:
+            saved = state.get("master_weights")
+            with torch.no_grad():
+                for p in self.params:
+                    self.master[p].copy_(p.detach().float())
+                if saved is not None:
+                    for p, w in zip(self.params, saved):
+                        self.master[p].copy_(w)
+
+    def refresh_master_from_model(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if p in self.master:
+                    self.master[p].copy_(p.detach().float())
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _global_norm(grads: List[torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
+    return float(torch.linalg.vector_norm(torch.stack(norms), 2))
+
+
+def _comm_dtype(kernel_config, accum_dtype):
+    if kernel_config.fp32_allreduce:
+        return torch.float32
+    name = kernel_config.communication_data_type
+    if name:
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    return accum_dtype
+
+
+#: stage 0 uses buckets of at most this many elements (or reduce_bucket_size if smaller) so that
+#: all-reduce overlaps backward
+OVERLAP_BUCKET_ELEMENTS = 2 ** 21
+
+
+def _bucket_elements(zero_config) -> int:
+    size = getattr(zero_config, "reduce_bucket_size", OVERLAP_BUCKET_ELEMENTS)
+    return max(1, min(int(size), OVERLAP_BUCKET_ELEMENTS))

@@ -1,0 +1,58 @@
+"""Run a function in N real processes that talk over gloo on 127.0.0.1.
+
+``run_distributed(fn, world_size, *args)`` returns the list of ``fn(*args)`` results by rank
+(results must be picklable by torch.save). ``fn`` must be importable (module level). Each
+process gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like torch's launcher
+sets them; a failure in any rank raises with that rank's traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+
+import torch
+
+from .conftest import free_port
+
+
+def _child(fn, rank, world_size, port, out_path, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        torch.save({"ok": True, "result": result}, out_path)
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out_path)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, paths[r], args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                raise TimeoutError(f"a rank of {fn.__name__} did not finish within {timeout}s")
+        results = []
+        for r, path in enumerate(paths):
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} of {fn.__name__} died without a result (exit code {procs[r].exitcode})")
+            out = torch.load(path, weights_only=False)
+            if not out["ok"]:
+                raise RuntimeError(f"rank {r} of {fn.__name__} failed:\n{out['error']}")
+            results.append(out["result"])
+        return results
