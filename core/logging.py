@@ -4,9 +4,22 @@ from __future__ import annotations
 import logging
 import sys
 
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is at the time (so redirection and capture work)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 logger = logging.getLogger("dsplug")
 if not logger.handlers:
-    _handler = logging.StreamHandler(sys.stdout)
+    _handler = _StdoutHandler()
     _handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)

@@ -1,0 +1,237 @@
+"""The engine at ZeRO stage 0 against plain-PyTorch reference loops, on 1 and 2 processes."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+import dsplug
+from dsplug.config import ConfigError
+
+from .dist_harness import run_distributed
+from .engine_common import assert_close_runs, dsplug_run, make_model, reference_run
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+CASES = {
+    # name: (config extras, reference kwargs)
+    "fp32": ({}, {}),
+    "fp32-accum-clip": ({"gradient_accumulation_steps": 2, "gradient_clipping": 0.3}, {"gas": 2, "clip": 0.3}),
+    "fp16": ({"fp16": {"enabled": True, "initial_scale_power": 6}}, {"precision": "fp16", "scale": 64.0}),
+    "fp16-accum-fp32": ({"fp16": {"enabled": True, "loss_scale": 32}, "gradient_accumulation_steps": 2,
+                         "data_types": {"grad_accum_dtype": "fp32"}, "gradient_clipping": 0.5},
+                        {"precision": "fp16", "scale": 32.0, "gas": 2, "clip": 0.5}),
+    "bf16-accum-clip": ({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "gradient_clipping": 0.3},
+                        {"precision": "bf16", "gas": 2, "clip": 0.3}),
+    "amp": ({"amp": {"enabled": True}}, {"precision": "amp"}),
+}
+TOLERANCE = {"fp16": dict(rtol=2e-3, atol=2e-3), "bf16": dict(rtol=2e-2, atol=2e-2)}
+
+
+def _case(name, world, steps=4, micro=4):
+    extra, ref = CASES[name]
+    config = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 1000, **extra}
+    gas = ref.get("gas", 1)
+    want = reference_run(steps, world, micro, gas, adamw, clip=ref.get("clip", 0.0),
+                         precision=ref.get("precision", "fp32"), scale=ref.get("scale", 1.0))
+    return config, want
+
+
+def _train_case(name, world, steps):
+    config, _ = _case(name, world, steps)
+    return dsplug_run(config, steps, optimizer=adamw)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_single_process_equals_reference(name):
+    config, want = _case(name, 1)
+    got = dsplug_run(config, 4, optimizer=adamw)
+    tol = TOLERANCE.get(name.split("-")[0], {})
+    assert_close_runs(got, want, **tol)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["fp32-accum-clip", "bf16-accum-clip", "fp16"])
+def test_two_processes_equal_reference_on_global_batch(name):
+    _, want = _case(name, 2)
+    results = run_distributed(_train_case, 2, name, 2, 4)
+    tol = TOLERANCE.get(name.split("-")[0], dict(rtol=1e-5, atol=1e-6))
+    for got in results:
+        assert_close_runs(got, want, **tol)
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b), "ranks diverged"
+
+
+def _train_comm_options(extra):
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, **extra}
+    return dsplug_run(config, 3, optimizer=sgd)
+
+
+@pytest.mark.multiprocess
+def test_communication_options_give_the_same_average():
+    """prescale / predivide / fp32 / bf16 communication all average the same gradients."""
+    want = reference_run(3, 2, 4, 1, sgd)
+    for extra, tol in [({"prescale_gradients": True}, 1e-5), ({"gradient_predivide_factor": 2.0}, 1e-5),
+                       ({"communication_data_type": "bf16"}, 3e-2)]:
+        got = run_distributed(_train_comm_options, 2, extra)[0]
+        assert_close_runs(got, want, rtol=tol, atol=tol)
+
+
+class _ByteCounter:
+    def __init__(self):
+        self.bytes = 0
+
+    def record(self, op, nbytes, latency, world):
+        if op == "all_reduce" and nbytes > 64:  # skip the test's own 4-byte loss all-reduce
+            self.bytes += nbytes
+
+
+def _gradient_bytes(extra):
+    from dsplug import comm
+
+    counter = _ByteCounter()
+    comm.add_listener(counter)
+    _train_comm_options(extra)
+    return counter.bytes
+
+
+@pytest.mark.multiprocess
+def test_communication_data_type_changes_the_bytes_communicated():
+    fp32 = run_distributed(_gradient_bytes, 2, {})[0]
+    bf16 = run_distributed(_gradient_bytes, 2, {"communication_data_type": "bf16"})[0]
+    n_params = sum(p.numel() for p in make_model().parameters())
+    assert fp32 == 3 * n_params * 4  # one all-reduce of every gradient per step, 3 steps
+    assert bf16 * 2 == fp32
+
+
+# --------------------------------------------------------------------------- fp16 loss scaling
+def test_fp16_overflow_skips_step_lowers_scale_and_is_logged(caplog):
+    """Dynamic scaling with hysteresis 2: the first overflow uses up hysteresis, the second halves."""
+    def inject(engine, step):
+        if step in (1, 2):
+            next(engine.module.parameters()).grad.fill_(float("inf"))
+
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "fp16": {"enabled": True, "initial_scale_power": 6, "hysteresis": 2, "loss_scale_window": 1000}}
+    model_before = make_model(0)
+    with caplog.at_level(logging.INFO, logger="dsplug"):
+        logger = logging.getLogger("dsplug")
+        logger.propagate = True
+        try:
+            got = dsplug_run(config, 4, optimizer=sgd, inject=inject)
+        finally:
+            logger.propagate = False
+    assert got["skipped"] == 2
+    assert got["scale"] == 32.0  # 64 -> (hysteresis) 64 -> 32
+    assert "overflow: step 2 skipped" in caplog.text and "overflow: step 3 skipped" in caplog.text
+    # the skipped steps changed nothing: equal to 2 real steps of the reference on steps 0 and 3
+    assert not any(torch.equal(a, b.float()) for a, b in zip(got["params"], model_before.parameters()))
+
+
+def test_dynamic_scale_grows_after_window():
+    from dsplug.plugins.precision.loss_scaler import DynamicLossScaler
+
+    s = DynamicLossScaler(initial_scale_power=4, scale_window=3, hysteresis=1, min_scale=2.0)
+    seen = []
+    for overflow in [False, False, False, True, False, False, False, True, True, True]:
+        s.update(overflow)
+        seen.append(s.scale)
+    # doubles after every `scale_window` overflow-free iterations; halves on each overflow
+    assert seen == [16, 16, 32, 16, 16, 16, 32, 16, 8, 4]
+
+
+def test_consecutive_hysteresis_refills_on_each_good_step():
+    from dsplug.plugins.precision.loss_scaler import DynamicLossScaler
+
+    plain = DynamicLossScaler(initial_scale_power=4, scale_window=100, hysteresis=2)
+    refill = DynamicLossScaler(initial_scale_power=4, scale_window=100, hysteresis=2, consecutive_hysteresis=True)
+    for s in (plain, refill):
+        for overflow in [False, True, False, True]:
+            s.update(overflow)
+    assert plain.scale == 8.0  # the 1st overflow spends the hysteresis, the 2nd halves
+    assert refill.scale == 16.0  # the good step in between refilled the hysteresis
+
+
+# --------------------------------------------------------------------------- API surface
+def test_add_config_arguments_and_initialize_from_args(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 2}')
+    parser = dsplug.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    engine, optimizer, loader, scheduler = dsplug.initialize(args=args, model=make_model(), optimizer=sgd)
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps()) == (8, 4, 2)
+    assert optimizer is engine.optimizer and loader is None and scheduler is None
+    assert engine.zero_optimization_stage() == 0
+    with pytest.raises(ValueError, match="given more than once"):
+        dsplug.initialize(args=args, model=make_model(), optimizer=sgd, config={"train_batch_size": 8})
+
+
+def test_initialize_refuses_a_wrong_config_with_every_error():
+    with pytest.raises(ConfigError) as err:
+        dsplug.initialize(model=make_model(), optimizer=sgd,
+                          config={"train_batch_size": 8, "fp16": {"enabled": True, "loss_scal": 0},
+                                  "bf16": {"enabled": True}})
+    text = str(err.value)
+    assert "fp16.loss_scal: unknown key; did you mean 'fp16.loss_scale'?" in text
+    assert "fp16 and bf16 are both enabled" in text
+
+
+def test_amp_with_zero_is_refused():
+    from dsplug.config import DsplugConfig
+
+    DsplugConfig({"train_batch_size": 2, "amp": {"enabled": True}, "zero_optimization": {"stage": 0}}, world_size=1)
+    with pytest.raises(ConfigError, match=r"amp\.enabled: amp cannot be combined with ZeRO"):
+        DsplugConfig({"train_batch_size": 2, "amp": {"enabled": True}, "zero_optimization": {"stage": 2}},
+                     world_size=1)
+
+
+def test_training_data_loader_uses_micro_batch_and_shards():
+    data = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32).view(20, 2))
+    engine, _, loader, _ = dsplug.initialize(model=make_model(), optimizer=sgd, training_data=data,
+                                             config={"train_batch_size": 5})
+    sizes = [len(b[0]) for b in loader]
+    assert sizes == [5, 5, 5, 5]
+    seen = torch.cat([b[0][:, 0] for b in loader]).sort().values
+    assert torch.equal(seen, torch.arange(0, 40, 2, dtype=torch.float32))
+
+
+def test_client_scheduler_callable_and_lr_queries():
+    engine, opt, _, sched = dsplug.initialize(
+        model=make_model(), optimizer=sgd, config={"train_batch_size": 4},
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    x = torch.randn(4, 12)
+    for _ in range(3):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert engine.get_lr() == [pytest.approx(0.05 * 0.5 ** 3)]
+    assert engine.global_steps == 3 and engine.global_samples == 12
+    assert engine.get_mom() == [0.9]
+
+
+def test_steps_per_print_and_wall_clock_breakdown_lines(capsys):
+    engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config={
+        "train_batch_size": 4, "steps_per_print": 2, "wall_clock_breakdown": True})
+    x = torch.randn(4, 12)
+    for _ in range(4):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[dsplug] step=")]
+    assert [l.split(",")[0] for l in lines] == ["[dsplug] step=2", "[dsplug] step=4"]
+    assert all("forward_ms=" in l and "backward_ms=" in l and "step_ms=" in l for l in lines)
+    assert "skipped=0" in lines[0] and "lr=[0.05]" in lines[0]
+
+
+def test_dump_state_prints_the_resolved_config(capsys):
+    dsplug.initialize(model=make_model(), optimizer=sgd, config={"train_batch_size": 4, "dump_state": True})
+    out = capsys.readouterr().out
+    assert '"train_micro_batch_size_per_gpu": 4' in out and "precision=fp32" in out and "zero_stage=0" in out
