@@ -126,7 +126,7 @@ def load_file(path: str, weights_only: bool = True) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
-        if weights_only and "weights_only" in str(exc):
+        if weights_only and "This file can still be loaded" in str(exc):  # a real pickle with other globals
             raise CheckpointError(
                 f"checkpoint file {path} holds objects that torch.load(weights_only=True) refuses "
                 f"({type(exc).__name__}). If you trust the file, set \"checkpoint\": {{\"weights_only\": false}} "

@@ -361,6 +361,10 @@ class Engine(torch.nn.Module):
                           "specific checkpoint)", logging.WARNING)
                 return None, None
         path = os.path.join(load_dir, str(tag))
+        if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+            # a save of the same tag died between swapping directories: the old copy is complete
+            log_rank0(f"warning: {path} is missing but {path}.old is complete; loading that", logging.WARNING)
+            path = path + ".old"
         if not os.path.isdir(path):
             tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) \
                 if os.path.isdir(load_dir) else []

@@ -1,0 +1,119 @@
+"""The ``comet`` monitor: a Comet experiment (``pip install dsplug[comet]``).
+
+The experiment comes from ``comet_ml.start`` with the section's api_key / workspace / project /
+experiment_key / mode / online; ``online=false`` stores an offline archive (its directory is
+Comet's own setting, e.g. ``COMET_OFFLINE_DIRECTORY``). Like DeepSpeed, each tag is sent at
+most once per ``samples_log_interval`` samples: a tag is logged the first time it is seen and
+then whenever at least that many samples have passed since it was last logged.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional
+
+from dsplug import PluginSpec, hookimpl
+from dsplug.config.schema import field, schema
+
+from .events import Event, MonitorObserver, is_writer, require_package
+
+MODES = ("get_or_create", "create", "get")
+
+
+def _experiment_key_ok(key) -> Optional[str]:
+    if key is not None and not re.fullmatch(r"[A-Za-z0-9]{32,50}", key):
+        return f"an experiment key must be 32 to 50 letters or digits (got {len(key)} characters)"
+    return None
+
+
+@schema
+class CometConfig:
+    enabled: bool = field(False, doc="log to Comet (needs the comet_ml package)")
+    samples_log_interval: int = field(
+        100, ge=0, doc="send a metric again only after this many more samples have been processed")
+    project: Optional[str] = field(None, doc="Comet project name (default: Comet's own, e.g. COMET_PROJECT_NAME)")
+    workspace: Optional[str] = field(None, doc="Comet workspace (default: the user's)")
+    api_key: Optional[str] = field(None, doc="Comet API key; better given as COMET_API_KEY than in a file")
+    experiment_name: Optional[str] = field(None, doc="display name of the experiment")
+    experiment_key: Optional[str] = field(
+        None, check=_experiment_key_ok, doc="key of the experiment: 32 to 50 letters or digits")
+    online: Optional[bool] = field(None, doc="false: store an offline experiment locally (Comet's default: true)")
+    mode: Optional[str] = field(None, choices=MODES, doc="get / create / get_or_create (Comet's default)")
+
+
+class SamplesLogInterval:
+    """Decides per tag whether enough samples passed since it was last sent."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._last: Dict[str, int] = {}
+
+    def due(self, tag: str, samples: int) -> bool:
+        last = self._last.get(tag)
+        if last is None or samples - last >= self.interval:
+            self._last[tag] = samples
+            return True
+        return False
+
+
+class CometMonitor(MonitorObserver):
+    section = "comet"
+
+    def __init__(self, config: CometConfig, comet_ml):
+        super().__init__()
+        if not hasattr(comet_ml, "start"):
+            raise RuntimeError(
+                f"comet: comet_ml {getattr(comet_ml, '__version__', '?')} is too old (it has no comet_ml.start); "
+                "upgrade it with: pip install -U dsplug[comet]")
+        try:
+            self.experiment = comet_ml.start(
+                api_key=config.api_key,
+                workspace=config.workspace,
+                project_name=config.project,
+                experiment_key=config.experiment_key,
+                mode=config.mode,
+                online=config.online,
+            )
+        except Exception as exc:  # comet raises ValueError / its own ExperimentNotFound etc.
+            raise RuntimeError(
+                f"comet: could not start the experiment (project={config.project!r}, "
+                f"workspace={config.workspace!r}, mode={config.mode!r}, online={config.online!r}): {exc}. "
+                "Give comet.api_key or COMET_API_KEY, or set comet.online=false to log offline"
+            ) from exc
+        if config.experiment_name is not None:
+            self.experiment.set_name(config.experiment_name)
+        self.schedule = SamplesLogInterval(config.samples_log_interval)
+
+    def _write(self, events: List[Event]) -> None:
+        for tag, value, step in events:
+            if self.schedule.due(tag, step):
+                self.experiment.log_metric(tag, value, step=step)
+
+    def flush(self) -> None:
+        self.experiment.flush()
+
+    def _close(self) -> None:
+        self.experiment.end()
+
+
+def build(config: CometConfig, context) -> Optional[CometMonitor]:
+    if not config.enabled:
+        return None
+    writer = is_writer(context)
+    comet_ml = require_package("comet_ml", section="comet", extra="comet", load=writer)
+    if not writer:
+        return None
+    return CometMonitor(config, comet_ml)
+
+
+@hookimpl
+def dsplug_monitors():
+    return [
+        PluginSpec(
+            category="monitor",
+            name="comet",
+            section="comet",
+            schema=CometConfig,
+            factory=build,
+            summary="Comet experiment, online or offline (pip install dsplug[comet])",
+        )
+    ]

@@ -1,0 +1,134 @@
+"""What every monitor writes, and the parts the monitors share.
+
+An *event* is DeepSpeed's monitor tuple ``(tag, value, step)``; the step is the number of
+samples seen (``global_samples``), so curves of runs with different batch sizes line up.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+import importlib.util
+import os
+from typing import Any, Iterable, List, Mapping, Tuple
+
+from dsplug import hookimpl
+
+Event = Tuple[str, float, int]
+
+#: ``dsplug_step_end`` metrics key -> the tag DeepSpeed's monitor writes it under.
+METRIC_TAGS: Tuple[Tuple[str, str], ...] = (
+    ("loss", "Train/Samples/train_loss"),
+    ("lr", "Train/Samples/lr"),
+    ("loss_scale", "Train/Samples/loss_scale"),
+    ("forward_ms", "Train/Samples/elapsed_time_ms_forward"),
+    ("backward_ms", "Train/Samples/elapsed_time_ms_backward"),
+    ("backward_inner_ms", "Train/Samples/elapsed_time_ms_backward_inner"),
+    ("backward_allreduce_ms", "Train/Samples/elapsed_time_ms_backward_allreduce"),
+    ("step_ms", "Train/Samples/elapsed_time_ms_step"),
+)
+
+
+def events_from_metrics(metrics: Mapping[str, Any]) -> List[Event]:
+    """The events one optimizer step produces; metrics that are absent or None are left out."""
+    if "global_samples" not in metrics:
+        raise KeyError(
+            f"step metrics lack 'global_samples' (the x axis of every monitor); got keys {sorted(metrics)}"
+        )
+    step = int(metrics["global_samples"])
+    return [(tag, _scalar(metrics[key]), step) for key, tag in METRIC_TAGS if metrics.get(key) is not None]
+
+
+def _scalar(value) -> float:
+    item = getattr(value, "item", None)  # a 0-d tensor or numpy scalar
+    return float(item() if callable(item) else value)
+
+
+def resolve_log_dir(output_path, job_name: str) -> str:
+    """``output_path/job_name``; an empty or null ``output_path`` means the launch directory.
+
+    DeepSpeed joins ``""`` with the job name, i.e. writes under the current directory; this
+    makes that directory absolute so a later ``chdir`` in the training script cannot move it.
+    """
+    base = os.path.expanduser(output_path) if output_path else os.getcwd()
+    return os.path.abspath(os.path.join(base, job_name))
+
+
+def is_writer(context) -> bool:
+    """Only rank 0 writes (no context: standalone use, a single process)."""
+    return context is None or getattr(context, "rank", 0) == 0
+
+
+class MissingExtraError(ImportError):
+    """An enabled monitor's client library is not installed."""
+
+
+def require_package(module: str, *, section: str, extra: str, load: bool = True):
+    """Import ``module`` (or, with ``load=False``, only check it is installed) or fail clearly.
+
+    Ranks that will not write check without importing, so a missing package fails every rank
+    at the same point instead of leaving the others waiting for rank 0.
+    """
+    hint = (f"the {section!r} monitor is enabled ({section}.enabled=true) but its client library "
+            f"{module!r} is not installed; install it with: pip install dsplug[{extra}] "
+            f"(or set {section}.enabled=false)")
+    if not load:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingExtraError(hint)
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(f"{hint} [import error: {exc}]") from exc
+
+
+class MonitorObserver(abc.ABC):
+    """Base of the observers the monitor factories return.
+
+    The engine registers the object into its lifecycle plugin manager; DeepSpeed-style client
+    code may also call :meth:`write_events` directly with ``(tag, value, step)`` tuples.
+    Subclasses implement ``_write(events)``, ``flush()`` and ``_close()``; ``_write`` must stay
+    cheap (buffered, no fsync) since it runs on every optimizer step.
+    """
+
+    #: the config section (and plugin name) this observer belongs to
+    section = ""
+    enabled = True
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def write_events(self, events: Iterable[Event]) -> None:
+        if self.closed:
+            raise RuntimeError(f"the {self.section} monitor is closed; it cannot write {list(events)!r}")
+        self._write([(str(tag), _scalar(value), int(step)) for tag, value, step in events])
+
+    def close(self) -> None:
+        """Flush and release files / runs. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._close()
+
+    @hookimpl
+    def dsplug_step_end(self, engine, metrics):
+        self.write_events(events_from_metrics(metrics))
+
+    @hookimpl
+    def dsplug_engine_closed(self, engine):
+        self.close()
+
+    # subclass interface -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _write(self, events: List[Event]) -> None:
+        """Record already-normalised ``(tag, float, int)`` events."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Hand everything written so far to the OS / the client library."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Flush and release resources (called once)."""

@@ -1,0 +1,75 @@
+"""The ``wandb`` monitor: a Weights & Biases run (``pip install dsplug[wandb]``).
+
+The run is started with ``wandb.init(project=project, group=group, entity=team)``; everything
+else (offline mode, run directory, API key) is configured the way wandb itself reads it, e.g.
+``WANDB_MODE=offline`` and ``WANDB_DIR``. Each optimizer step is one ``run.log`` call holding all
+of that step's tags, at ``step=global_samples``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from dsplug import PluginSpec, hookimpl
+from dsplug.config.schema import field, schema
+
+from .events import Event, MonitorObserver, is_writer, require_package
+
+
+@schema
+class WandbConfig:
+    enabled: bool = field(False, doc="log to Weights & Biases (needs the wandb package)")
+    group: Optional[str] = field(None, doc="W&B group: runs of one group are shown together")
+    team: Optional[str] = field(None, doc="W&B team (entity) owning the project")
+    project: str = field("deepspeed", doc="W&B project name")
+
+
+class WandbMonitor(MonitorObserver):
+    section = "wandb"
+
+    def __init__(self, config: WandbConfig, wandb_module):
+        super().__init__()
+        try:
+            self.run = wandb_module.init(project=config.project, group=config.group, entity=config.team)
+        except Exception as exc:  # wandb raises its own UsageError / CommError types
+            raise RuntimeError(
+                f"wandb: could not start a run for project {config.project!r} "
+                f"(team={config.team!r}, group={config.group!r}): {exc}. Log in with `wandb login` "
+                "or set WANDB_API_KEY, or set WANDB_MODE=offline to log locally"
+            ) from exc
+
+    def _write(self, events: List[Event]) -> None:
+        by_step: Dict[int, Dict[str, float]] = {}
+        for tag, value, step in events:
+            by_step.setdefault(step, {})[tag] = value
+        for step in sorted(by_step):
+            self.run.log(by_step[step], step=step)
+
+    def flush(self) -> None:
+        """wandb streams to its own service process; there is nothing to hand over here."""
+
+    def _close(self) -> None:
+        self.run.finish()
+
+
+def build(config: WandbConfig, context) -> Optional[WandbMonitor]:
+    if not config.enabled:
+        return None
+    writer = is_writer(context)
+    wandb_module = require_package("wandb", section="wandb", extra="wandb", load=writer)
+    if not writer:
+        return None
+    return WandbMonitor(config, wandb_module)
+
+
+@hookimpl
+def dsplug_monitors():
+    return [
+        PluginSpec(
+            category="monitor",
+            name="wandb",
+            section="wandb",
+            schema=WandbConfig,
+            factory=build,
+            summary="Weights & Biases run (pip install dsplug[wandb])",
+        )
+    ]

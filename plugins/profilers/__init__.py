@@ -1,0 +1,1 @@
+"""Built-in training observers that measure a run: the flops profiler."""

@@ -1,0 +1,41 @@
+"""Registers the flops profiler: it owns the ``flops_profiler`` config section.
+
+Entry point: ``observer-flops-profiler = "dsplug.plugins.profilers.flops_profiler.plugin"``.
+Importing this module is cheap; torch is imported when the factory builds an observer.
+"""
+from __future__ import annotations
+
+from dsplug.descriptors import PluginSpec
+from dsplug.hookspecs import hookimpl
+
+from .config import FlopsProfilerConfig
+
+
+def build_observer(config, context):
+    """``factory(config, context)``: an observer profiling one step, or None when not enabled."""
+    from dsplug.config.schema import parse
+
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        config = parse(FlopsProfilerConfig, config, "flops_profiler")
+    if not config.enabled:
+        return None
+    from .observer import FlopsProfilerObserver
+
+    return FlopsProfilerObserver(config, context)
+
+
+SPEC = PluginSpec(
+    category="observer",
+    name="flops_profiler",
+    section="flops_profiler",
+    schema=FlopsProfilerConfig,
+    factory=build_observer,
+    summary="per-module params, MACs, FLOPs and latency of one training step",
+)
+
+
+@hookimpl
+def dsplug_observers():
+    return [SPEC]
