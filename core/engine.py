@@ -315,8 +315,8 @@ class Engine(torch.nn.Module):
             ckpt.begin(save_dir, tag)
         comm.barrier()
         staging = ckpt.partial_dir(save_dir, tag)
+        module_state = self.stage.module_state_dict()  # collective at stage 3: every rank calls it
         if self.global_rank == 0:
-            module_state = self.module.state_dict()
             if exclude_frozen_parameters:
                 frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
                 module_state = {k: v for k, v in module_state.items() if k not in frozen}
@@ -337,6 +337,28 @@ class Engine(torch.nn.Module):
         comm.barrier()
         if self.global_rank == 0:
             ckpt.commit(save_dir, tag, save_latest)
+        comm.barrier()
+        return True
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the full module weights in the training dtype to ``save_dir/save_filename`` (rank 0).
+
+        At ZeRO stage 3 the partitions are gathered first, which needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save``; without it nothing is
+        saved and False is returned, as in DeepSpeed.
+        """
+        if self.stage.stage == 3 and not self.zero_config.stage3_gather_16bit_weights_on_model_save:
+            log_rank0("warning: save_16bit_model at ZeRO stage 3 needs zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save=true; nothing saved", logging.WARNING)
+            return False
+        state = self.stage.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            ckpt.atomic_save(state, os.path.join(os.fspath(save_dir), save_filename))
         comm.barrier()
         return True
 
@@ -375,14 +397,19 @@ class Engine(torch.nn.Module):
         if custom_load_fn is not None:
             custom_load_fn(src=model_state["module"], dst=self.module)
         else:
-            self.module.load_state_dict(model_state["module"], strict=load_module_strict)
+            self.stage.load_module_state_dict(model_state["module"], strict=load_module_strict)
         if load_module_only:
             self.stage.refresh_master_from_model()
             return path, model_state.get("client_state", {})
         saved_world = int(model_state.get("world_size", 1))
-        optim_rank = self.global_rank if self.global_rank < saved_world else saved_world - 1
-        optim_state = ckpt.load_file(os.path.join(path, ckpt.optim_file(optim_rank)), weights_only)
-        self.stage.load_state_dict(optim_state["stage"], load_optimizer_states=load_optimizer_states)
+
+        def read_rank(rank: int) -> dict:
+            return ckpt.load_file(os.path.join(path, ckpt.optim_file(rank)), weights_only)
+
+        optim_state = read_rank(min(self.global_rank, saved_world - 1))
+        # a partitioned stage saved at another world size re-slices from every rank's file
+        self.stage.load_state_dict(optim_state["stage"], load_optimizer_states=load_optimizer_states,
+                                   saved_world_size=saved_world, read_rank=lambda r: read_rank(r)["stage"])
         self.precision.load_state_dict(optim_state["precision"])
         if load_lr_scheduler_states and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])

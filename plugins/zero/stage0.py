@@ -139,7 +139,8 @@ class DataParallelStage:
             state["master_weights"] = [self.master[p] for p in self.params]
         return state
 
-    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True, **_unused) -> None:
+        """Every rank saved the same replicated state, so this rank's (or any) file will do."""
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.master:
@@ -150,6 +151,13 @@ class DataParallelStage:
                 if saved is not None:
                     for p, w in zip(self.params, saved):
                         self.master[p].copy_(w)
+
+    def module_state_dict(self) -> dict:
+        """The full module state (every rank holds it whole at stage 0)."""
+        return self.module.state_dict()
+
+    def load_module_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)
 
     def refresh_master_from_model(self) -> None:
         with torch.no_grad():
