@@ -94,7 +94,9 @@ class DataParallelStage:
         scale = self.precision.loss_scale
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
-        norm = _global_norm(grads)
+        # the norm costs a pass over every gradient: only when clipping or overflow checks need it
+        needs_norm = self.clip > 0 or self.precision.checks_overflow
+        norm = _global_norm(grads) if needs_norm else None
         self.last_grad_norm = norm
         overflow = self.precision.checks_overflow and not math.isfinite(norm)
         if self.precision.loss_scaler is not None:
@@ -102,7 +104,7 @@ class DataParallelStage:
         if overflow:
             self.zero_grad()
             return False
-        if self.clip > 0 and norm > self.clip:
+        if norm is not None and self.clip > 0 and norm > self.clip:
             torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
         self.optimizer.step()
         if self.master:
@@ -189,7 +191,7 @@ def _comm_dtype(kernel_config, accum_dtype):
 
 #: stage 0 uses buckets of at most this many elements (or reduce_bucket_size if smaller) so that
 #: all-reduce overlaps backward
-OVERLAP_BUCKET_ELEMENTS = 2 ** 21
+OVERLAP_BUCKET_ELEMENTS = 2 ** 22
 
 
 def _bucket_elements(zero_config) -> int:
