@@ -235,3 +235,20 @@ def test_dump_state_prints_the_resolved_config(capsys):
     dsplug.initialize(model=make_model(), optimizer=sgd, config={"train_batch_size": 4, "dump_state": True})
     out = capsys.readouterr().out
     assert '"train_micro_batch_size_per_gpu": 4' in out and "precision=fp32" in out and "zero_stage=0" in out
+
+
+def test_config_scheduler_steps_once_per_optimizer_step_and_not_on_overflow():
+    """WarmupLR (linear) from the config. As in DeepSpeed, the scheduler's k-th step() sets the lr of
+    iteration k-1: after k applied optimizer steps, lr = min + (max - min)·(k - 1)/warmup."""
+    def inject(engine, step):
+        if step == 2:
+            next(engine.module.parameters()).grad.fill_(float("nan"))
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "fp16": {"enabled": True, "initial_scale_power": 4, "hysteresis": 1},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                                           "warmup_num_steps": 10, "warmup_type": "linear"}}}
+    got = dsplug_run(config, 5, optimizer=sgd, inject=inject)
+    applied = [1, 2, 2, 3, 4]  # step index 2 overflowed: the schedule did not advance
+    assert got["lrs"] == pytest.approx([0.1 * (k - 1) / 10 for k in applied])
+    assert got["skipped"] == 1

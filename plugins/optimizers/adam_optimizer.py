@@ -1,0 +1,172 @@
+"""Adam / AdamW with DeepSpeed FusedAdam's arguments and semantics.
+
+Importable as ``dsplug.ops.adam.FusedAdam`` (the DeepSpeed import path). Works on every device
+torch runs on (CPU included).
+
+One step, for every parameter p with gradient g (t = steps taken, counting this one)::
+
+    adam_w_mode = False (L2):          g ← g + wd·p
+    m ← β1·m + (1−β1)·g
+    v ← β2·v + (1−β2)·g²
+    adam_w_mode = True (decoupled):    p ← p·(1 − lr·wd)
+    p ← p − lr · (m / (1−β1^t)) / (√(v / (1−β2^t)) + ε)      (corrections are 1 without
+                                                              bias_correction)
+
+Two implementations of that step, chosen per bucket of same-device, same-dtype parameters:
+
+* :func:`foreach_adam_step` — the formula above in ``torch._foreach_*`` ops (several passes over
+  memory; one kernel launch per op on GPUs). Always available; the reference.
+* torch's fused Adam kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``, one pass) where the
+  installed torch has it for the device and dtype, and with bias correction on (the kernel always
+  corrects). It computes the same formula; tests check the two paths agree. On CPU it is several
+  times faster (see ``benchmarks/optimizers.py``). Set ``optimizer.use_fused_kernel = False`` to
+  force the foreach path.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .multi_tensor import (
+    Bucket,
+    adam_buckets,
+    bias_corrections,
+    check_hyperparameters,
+    fill_group_defaults,
+    update_moments,
+)
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam (``adam_w_mode=False``: L2 penalty) or AdamW (``adam_w_mode=True``: decoupled decay).
+
+    Arguments match DeepSpeed's ``FusedAdam``: ``lr=1e-3, bias_correction=True,
+    betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True, weight_decay=0.0, amsgrad=False,
+    set_grad_none=True``. AMSGrad is not supported (as in FusedAdam); use ``torch.optim.Adam``.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ):
+        if amsgrad:
+            raise RuntimeError(
+                "FusedAdam does not support the AMSGrad variant (amsgrad=True); use torch.optim.Adam "
+                "/ AdamW (optimizer.params.torch_adam: true in a config) for AMSGrad"
+            )
+        check_hyperparameters("FusedAdam", lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
+            weight_decay=weight_decay, adam_w_mode=bool(adam_w_mode),
+        )
+        super().__init__(params, defaults)
+        self.set_grad_none = bool(set_grad_none)
+        self.use_fused_kernel = True
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Drop gradients (``set_grad_none=True``, the default) or zero them in place."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        fill_group_defaults(self)
+        self.__dict__.setdefault("use_fused_kernel", True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hyper = AdamHyper.of(group)
+            for (device, dtype, taken), bucket in adam_buckets(self, group, "FusedAdam").items():
+                step = taken + 1
+                if self.use_fused_kernel and hyper.bias_correction and fused_kernel_available(device, dtype):
+                    fused_adam_step(bucket, step, hyper)
+                else:
+                    foreach_adam_step(bucket, step, hyper)
+                bucket.advance(step)
+        return loss
+
+
+class AdamHyper:
+    """The hyper-parameters of one param group, as plain Python numbers."""
+
+    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction")
+
+    @classmethod
+    def of(cls, group: dict) -> "AdamHyper":
+        hyper = cls()
+        hyper.lr = float(group["lr"])
+        hyper.beta1, hyper.beta2 = (float(b) for b in group["betas"])
+        hyper.eps = float(group["eps"])
+        hyper.weight_decay = float(group["weight_decay"])
+        hyper.decoupled = bool(group["adam_w_mode"])
+        hyper.bias_correction = bool(group["bias_correction"])
+        return hyper
+
+
+def foreach_adam_step(bucket: Bucket, step: int, h: AdamHyper) -> None:
+    """The Adam step of the module docstring, written in multi-tensor ops."""
+    bc1, bc2 = bias_corrections(step, h.beta1, h.beta2, h.bias_correction)
+    grads = bucket.grads
+    if h.weight_decay != 0 and not h.decoupled:
+        grads = torch._foreach_add(grads, bucket.params, alpha=h.weight_decay)
+    update_moments(bucket, grads, h.beta1, h.beta2)
+    if h.weight_decay != 0 and h.decoupled:
+        torch._foreach_mul_(bucket.params, 1.0 - h.lr * h.weight_decay)
+    denom = torch._foreach_sqrt(bucket.exp_avg_sqs)
+    torch._foreach_div_(denom, math.sqrt(bc2))
+    torch._foreach_add_(denom, h.eps)
+    torch._foreach_addcdiv_(bucket.params, bucket.exp_avgs, denom, value=-h.lr / bc1)
+
+
+def fused_adam_step(bucket: Bucket, step: int, h: AdamHyper) -> None:
+    """The same step in torch's single-pass fused kernel (bias correction always on)."""
+    kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    step_count = torch.full((), float(step), dtype=torch.float32, device=bucket.params[0].device)
+    kernel(
+        bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs,
+        [],  # no AMSGrad maxima
+        [step_count] * len(bucket.params),  # read by the kernel for the bias corrections
+        lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
+        amsgrad=False, maximize=False,
+    )
+
+
+_FUSED_KERNEL_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+def fused_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's fused Adam kernels run for this device type and dtype (probed once)."""
+    key = (device.type, dtype)
+    if key not in _FUSED_KERNEL_WORKS:
+        _FUSED_KERNEL_WORKS[key] = _probe_fused_kernel(device, dtype)
+    return _FUSED_KERNEL_WORKS[key]
+
+
+def _probe_fused_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    if not (hasattr(torch, "_fused_adam_") and hasattr(torch, "_fused_adamw_")):
+        return False
+
+    def one():
+        return [torch.zeros(2, device=device, dtype=dtype)]
+
+    try:
+        for kernel in (torch._fused_adam_, torch._fused_adamw_):
+            kernel(one(), one(), one(), one(), [], [torch.ones((), device=device)],
+                   lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
