@@ -56,6 +56,7 @@ class Engine(torch.nn.Module):
                                     rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
                                     model=model, registry=self.registry)
         self.precision = self._build_precision()
+        self.events = self._build_observers()  # before any collective, so loggers see them all
         self.module = model
         self._place_model()
         param_groups = _param_groups(model, model_parameters, optimizer)
@@ -75,7 +76,6 @@ class Engine(torch.nn.Module):
         self._step_applied = False
         self._losses: List[torch.Tensor] = []
         self.timers = StepTimers(self.accelerator, enabled=kernel.wall_clock_breakdown)
-        self.events = self._build_observers()
         self.events.hook.dsplug_engine_built(engine=self)
         if kernel.dump_state:
             self.dump_state()

@@ -7,6 +7,7 @@ Listeners (e.g. the comms logger plugin) see every collective with its size and 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Callable, List, Optional
@@ -95,7 +96,14 @@ def destroy_process_group() -> None:
 
 # ------------------------------------------------------------------------------ listeners
 def add_listener(listener) -> None:
-    """``listener.record(op, nbytes, latency_s, world_size)`` is called after each collective."""
+    """``listener.record(op, nbytes, latency_s, world_size)`` is called after each collective.
+
+    A listener with ``wants_details = True`` is called with two more keywords: ``async_op``
+    (the op was launched with ``async_op=True`` and is timed from launch to ``wait()``) and
+    ``caller`` (qualified name of the function that issued the op; only looked up while some
+    listener has ``wants_caller = True``, else None). While any listener is present the device
+    is synchronized around each op so that latencies cover the op's completion.
+    """
     if listener not in _listeners:
         _listeners.append(listener)
 
@@ -106,12 +114,16 @@ def remove_listener(listener) -> None:
 
 
 def log_summary(show_straggler: bool = False) -> None:
-    """Print the summary of every listener that keeps one (the comms logger)."""
+    """Print the summary of every listener that keeps one (the comms logger).
+
+    ``show_straggler`` is passed on; it makes the comms logger gather latencies from every rank,
+    so then every rank must call this.
+    """
     printed = False
-    for listener in _listeners:
+    for listener in list(_listeners):
         summary = getattr(listener, "log_summary", None)
         if summary is not None:
-            summary()
+            summary(show_straggler=show_straggler)
             printed = True
     if not printed:
         print("dsplug.comm.log_summary: no comms logger is active (enable the comms_logger config section)")
@@ -120,37 +132,66 @@ def log_summary(show_straggler: bool = False) -> None:
 class _Work:
     """A finished-or-pending collective whose ``wait()`` also reports to listeners."""
 
-    def __init__(self, work, op: str, nbytes: int, start: float, world: int):
+    def __init__(self, work, op: str, nbytes: int, start: float, world: int, caller: Optional[str] = None):
         self.work, self.op, self.nbytes, self.start, self.world = work, op, nbytes, start, world
+        self.caller = caller
 
     def wait(self):
         if self.work is not None:
             self.work.wait()
-        _report(self.op, self.nbytes, self.start, self.world)
+        if self.world > 1 or is_initialized():  # a world of one without a group issued nothing
+            _report(self.op, self.nbytes, self.start, self.world, async_op=True, caller=self.caller)
         return True
 
     def is_completed(self):
         return self.work is None or self.work.is_completed()
 
 
-def _report(op: str, nbytes: int, start: float, world: int) -> None:
+def _report(op: str, nbytes: int, start: float, world: int, async_op: bool = False,
+            caller: Optional[str] = None) -> None:
     if not _listeners:
         return
+    _synchronize()
     latency = time.perf_counter() - start
-    for listener in _listeners:
-        listener.record(op, nbytes, latency, world)
+    for listener in list(_listeners):
+        if getattr(listener, "wants_details", False):
+            listener.record(op, nbytes, latency, world, async_op=async_op, caller=caller)
+        else:
+            listener.record(op, nbytes, latency, world)
+
+
+def _synchronize() -> None:
+    """Wait for the device, so that a timed op has really finished (no-op on CPU)."""
+    from ..accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+
+
+def _caller() -> Optional[str]:
+    """The function outside this module that issued the current op (only while a listener asks)."""
+    if not any(getattr(listener, "wants_caller", False) for listener in _listeners):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
 
 
 def _run(op: str, tensor_bytes: int, fn: Callable, async_op: bool, group):
     world = get_world_size(group)
     if world == 1 and not is_initialized():
         return _Work(None, op, tensor_bytes, time.perf_counter(), 1) if async_op else None
+    caller = _caller() if _listeners else None
+    if _listeners:
+        _synchronize()
     start = time.perf_counter()
     work = fn()
     if async_op:
-        return _Work(work, op, tensor_bytes, start, world)
+        return _Work(work, op, tensor_bytes, start, world, caller)
     if _listeners:
-        _report(op, tensor_bytes, start, world)
+        _report(op, tensor_bytes, start, world, caller=caller)
     return None
 
 

@@ -1,0 +1,9 @@
+"""The communication logger: counts, sizes, latency and bandwidth of every collective.
+
+* the ``comms_logger`` config section (:mod:`.config`) turns it on for an engine
+  (:mod:`.plugin` registers it as an observer);
+* :class:`~.logger.CommsLogger` is the listener on :mod:`dsplug.comm` that keeps the records and
+  prints the summary behind ``dsplug.comm.log_summary()``.
+
+Importing this package is cheap (no torch).
+"""

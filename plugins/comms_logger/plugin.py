@@ -1,0 +1,72 @@
+"""Registers the comms logger: it owns the ``comms_logger`` config section.
+
+Entry point: ``observer-comms-logger = "dsplug.plugins.comms_logger.plugin"``. With
+``comms_logger.enabled`` the factory adds a :class:`~.logger.CommsLogger` to the engine's comm
+layer; ``dsplug.comm.log_summary()`` prints its table; closing the engine removes it.
+"""
+from __future__ import annotations
+
+from dsplug.descriptors import PluginSpec
+from dsplug.hookspecs import hookimpl
+
+from .config import DEEPSPEED_OPS, CommsLoggerConfig, selected_ops
+
+
+class CommsLoggerObserver:
+    """Engine observer owning the listener for the engine's lifetime."""
+
+    def __init__(self, listener, comm):
+        self.listener = listener
+        self.comm = comm
+        comm.add_listener(listener)
+
+    def log_summary(self, show_straggler: bool = False) -> str:
+        return self.listener.log_summary(show_straggler=show_straggler)
+
+    @hookimpl
+    def dsplug_engine_closed(self, engine):
+        self.comm.remove_listener(self.listener)
+
+
+def build_observer(config, context):
+    """``factory(config, context)``: the observer with its listener added, or None when disabled."""
+    from dsplug.config.schema import parse
+    from dsplug.logging import logger
+
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        config = parse(CommsLoggerConfig, config, "comms_logger")
+    if not config.enabled:
+        return None
+    if context.rank == 0:
+        if config.prof_all and config.prof_ops:
+            logger.warning("comms_logger: prof_all is true, so every op is logged and prof_ops "
+                           f"{list(config.prof_ops)} has no effect; set prof_all to false to log only those")
+        never = [n for n in config.prof_ops if DEEPSPEED_OPS[n] is None]
+        if never and not config.prof_all:
+            logger.warning(f"comms_logger.prof_ops: dsplug's comm layer never issues {', '.join(never)}; "
+                           "nothing will be logged for them")
+        if not config.prof_all and not selected_ops(config):
+            logger.warning("comms_logger: prof_all is false and prof_ops names no op that dsplug issues, "
+                           "so nothing will be logged")
+    from .logger import CommsLogger
+
+    listener = CommsLogger(rank=context.rank, verbose=config.verbose, debug=config.debug,
+                           ops=selected_ops(config), comm=context.comm)
+    return CommsLoggerObserver(listener, context.comm)
+
+
+SPEC = PluginSpec(
+    category="observer",
+    name="comms_logger",
+    section="comms_logger",
+    schema=CommsLoggerConfig,
+    factory=build_observer,
+    summary="count, size, latency and bandwidth of every collective; dsplug.comm.log_summary()",
+)
+
+
+@hookimpl
+def dsplug_observers():
+    return [SPEC]
