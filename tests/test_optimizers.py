@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dsplug.config.schema import ConfigError, Report, parse
 from dsplug.context import BuildContext
+from dsplug.ops.adam import DeepSpeedCPUAdam
 from dsplug.plugins.optimizers import adam_optimizer, torch_optim, torch_signatures
 from dsplug.plugins.optimizers.adam_optimizer import FusedAdam
 from dsplug.plugins.optimizers.adagrad import AdagradParams
@@ -106,8 +107,8 @@ def test_adam_matches_torch(seed, widths, lr, wd, betas, eps, adam_w_mode, torch
     expected_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     if torch_adam:
         assert type(opt) is expected_cls
-    else:
-        assert isinstance(opt, FusedAdam)
+    else:  # CPU fp32 parameters step through the native cpu_adam op when it can be built
+        assert isinstance(opt, (FusedAdam, DeepSpeedCPUAdam))
     reference = expected_cls(theirs, lr=lr, weight_decay=wd, betas=betas, eps=eps, foreach=False)
     train(opt, ours, model, 15, seed, skip_last_on_odd_steps=True)
     train(reference, theirs, model, 15, seed, skip_last_on_odd_steps=True)
@@ -208,11 +209,26 @@ def test_l2_and_decoupled_modes_differ():
     assert not torch.allclose(results[0], results[1])
 
 
-def test_adam_defaults_are_fused_adam_defaults():
+def test_adam_defaults_are_fused_adam_defaults(monkeypatch):
+    monkeypatch.setenv("DSPLUG_DISABLE_NATIVE_OPS", "1")  # keep FusedAdam for CPU parameters
     opt = build("Adam", {}, [torch.zeros(2, requires_grad=True)])
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
     assert group["bias_correction"] is True and group["adam_w_mode"] is True and opt.set_grad_none is True
+
+
+def test_cpu_fp32_parameters_use_the_native_cpu_adam(monkeypatch):
+    from dsplug.op_builder import op_status
+
+    if not op_status("cpu_adam").compatible:
+        pytest.skip("no C++ toolchain: the native op cannot be built here")
+    opt = build("AdamW", {"lr": 0.01, "weight_decay": 0.1}, [torch.zeros(2, requires_grad=True)])
+    assert isinstance(opt, DeepSpeedCPUAdam) and opt.adamw_mode is True
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.01, (0.9, 0.999), 1e-8, 0.1)
+    monkeypatch.setenv("DSPLUG_DISABLE_NATIVE_OPS", "1")
+    assert isinstance(build("AdamW", {}, [torch.zeros(2, requires_grad=True)]), FusedAdam)
+    assert isinstance(build("Adam", {"set_grad_none": False}, [torch.zeros(2, requires_grad=True)]), FusedAdam)
 
 
 def test_set_grad_none_controls_zero_grad():

@@ -1,0 +1,4 @@
+"""``deepspeed.ops.lion`` names: ``DeepSpeedCPULion``."""
+from .cpu_lion import DeepSpeedCPULion
+
+__all__ = ["DeepSpeedCPULion"]
