@@ -6,20 +6,22 @@ one with the highest ``extra["priority"]``.
 """
 from __future__ import annotations
 
+import abc
 import os
 from typing import Optional
 
 ACCELERATOR_ENV = ("DSPLUG_ACCELERATOR", "DS_ACCELERATOR")
 
 
-class Accelerator:
+class Accelerator(abc.ABC):
     """Interface of an accelerator plugin. Subclasses fill in the device-specific parts."""
 
     name: str = "abstract"
 
     # -- identity
+    @abc.abstractmethod
     def is_available(self) -> bool:
-        raise NotImplementedError  # abstract: each accelerator plugin overrides it
+        """Whether this device type can be used in this process."""
 
     def device_name(self, index: Optional[int] = None) -> str:
         return self.name if index is None else f"{self.name}:{index}"
@@ -38,8 +40,9 @@ class Accelerator:
     def set_device(self, index: int) -> None:
         pass
 
+    @abc.abstractmethod
     def communication_backend_name(self) -> str:
-        raise NotImplementedError  # abstract
+        """torch.distributed backend for this device (gloo, nccl, ...)."""
 
     # -- execution
     def synchronize(self, index: Optional[int] = None) -> None:

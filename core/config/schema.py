@@ -11,7 +11,8 @@ A plugin declares the section (or ``params`` dict) it owns like this::
         initial_scale_power: int = field(16, ge=0, le=64)
 
 and :func:`parse` turns a JSON dict into an instance, collecting *every* problem in a
-:class:`Report` rather than stopping at the first:
+:class:`Report` rather than stopping at the first (relations between fields go in a
+``__rules__`` tuple on the class; ``__legacy__`` may rewrite old forms before parsing):
 
 * a key that is not a field (or a field alias) -> error naming its JSON path and the closest key;
 * a value of the wrong type -> error naming key, value and the expected type;
@@ -317,13 +318,14 @@ def parse(cls, data, path: str = "", report: Optional[Report] = None):
     """
     own_report = report is None
     report = Report() if own_report else report
+    errors_before = len(report.errors)
     legacy = getattr(cls, "__legacy__", None)
     if legacy is not None:
         data = legacy(data, path, report)
     if not isinstance(data, dict):
         report.error(path, f"{_show(data)} is not valid: expected an object with keys "
                      f"{', '.join(sorted(a.name for a in fields_of(cls)))}")
-        return _defaults(cls, report, path) if not own_report else report.raise_if_errors()
+        return _defaults(cls) if not own_report else report.raise_if_errors()
     keys = key_map(cls)
     values: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
@@ -364,18 +366,34 @@ def parse(cls, data, path: str = "", report: Optional[Report] = None):
         if a.name not in values and a.default is attrs.NOTHING:
             sub = f"{path}.{a.name}" if path else a.name
             report.error(sub, f"required key is missing ({_meta(a).get('doc') or _type_name(a.type)})")
-    if own_report:
-        report.raise_if_errors()
     try:
         instance = cls(**{k: v for k, v in values.items()})
     except TypeError:  # a required field missing: already reported
-        instance = _defaults(cls, report, path)
+        instance = _defaults(cls)
     if extra:
         object.__setattr__(instance, "__extra__", extra)
+    if instance is not None and len(report.errors) == errors_before:
+        _run_schema_rules(cls, instance, path, report)
+    if own_report:
+        report.raise_if_errors()
     return instance
 
 
-def _defaults(cls, report: Report, path: str):
+def _run_schema_rules(cls, instance, path: str, report: Report) -> None:
+    """``cls.__rules__``: callables ``rule(values) -> (key, message) | iterable of them | None``
+    over the parsed field values (``"auto"`` stays ``"auto"``), for relations between fields.
+    They run only when every field parsed cleanly, so they never see a replaced default."""
+    values = to_dict(instance)
+    for rule in getattr(cls, "__rules__", ()):
+        found = rule(values)
+        if found is None:
+            continue
+        problems = [found] if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], str) else found
+        for key, message in problems:
+            report.error(f"{path}.{key}" if path else key, message)
+
+
+def _defaults(cls):
     try:
         return cls()
     except TypeError:

@@ -57,7 +57,7 @@ class AdamParams:
     torch_adam: bool = field(False, doc="use torch.optim.AdamW / Adam instead of dsplug's FusedAdam")
     set_grad_none: bool = field(True, doc="FusedAdam's zero_grad() drops gradients (true) or zeroes them")
 
-    __legacy__ = cross_checks(*_CHECKS)
+    __rules__ = cross_checks(*_CHECKS)
 
 
 def _always_decoupled(value):

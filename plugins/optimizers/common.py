@@ -42,23 +42,13 @@ def betas_check(value) -> Optional[str]:
 
 
 def cross_checks(*checks: Callable[[dict], Optional[tuple]]):
-    """A schema's ``__legacy__`` pre-parse hook used for rules that span several keys.
+    """A schema's ``__rules__``: rules that span several keys.
 
-    :func:`dsplug.config.schema.parse` hands the raw dict to ``__legacy__`` before parsing it
-    field by field; each ``check(data)`` returns ``(key, message)`` for a problem or None. Values
-    that are missing, ``"auto"`` or of the wrong type are left to the field-level checks.
+    :func:`dsplug.config.schema.parse` runs each ``check(values)`` on the parsed field values once
+    every field is valid; it returns ``(key, message)`` for a problem or None. Values that are
+    ``"auto"`` are left alone (``given`` skips them).
     """
-
-    def hook(data, path, report):
-        if isinstance(data, dict):
-            for check in checks:
-                problem = check(data)
-                if problem:
-                    key, message = problem
-                    report.error(f"{path}.{key}" if path else key, message)
-        return data
-
-    return staticmethod(hook)
+    return tuple(checks)
 
 
 def given(data: dict, key: str, kind=object):

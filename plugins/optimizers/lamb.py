@@ -39,7 +39,7 @@ class LambParams:
     min_coeff: float = field(0.01, ge=0, doc="lower bound of the trust ratio ||w|| / ||update||")
     amsgrad: bool = field(False, check=_no_amsgrad, doc="not supported by FusedLamb (must be false)")
 
-    __legacy__ = cross_checks(_coeff_bounds_ordered)
+    __rules__ = cross_checks(_coeff_bounds_ordered)
 
 
 def lamb_factory(params, config, context=None):

@@ -35,7 +35,7 @@ class SGDParams:
     differentiable: bool = field(False, doc="let autograd run through the step")
     fused: Optional[bool] = field(None, doc="fused implementation (null: torch decides)")
 
-    __legacy__ = cross_checks(_nesterov_needs_momentum)
+    __rules__ = cross_checks(_nesterov_needs_momentum)
 
 
 def sgd_factory(params, config, context=None):

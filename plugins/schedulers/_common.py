@@ -20,8 +20,6 @@ from __future__ import annotations
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-import attrs
-
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
@@ -94,27 +92,13 @@ Rule = Callable[[Dict[str, Any]], Iterable[Tuple[str, str]]]
 def with_cross_field_rule(rule: Rule):
     """Class decorator: check ``rule`` whenever :func:`dsplug.config.schema.parse` reads this schema.
 
-    ``rule(values)`` gets the raw params merged over the field defaults and yields
-    ``(key, message)`` for every violated relation between fields. parse() offers one hook that
-    sees the whole dict with its JSON path and report (``__legacy__``, run before the fields
-    are parsed), so the rule only judges values that are already plain numbers; wrong types and
-    ``"auto"`` are left to the field checks and to the schedule's constructor, which applies
-    the same rule again once "auto" values are resolved.
+    ``rule(values)`` gets the parsed params (defaults filled in) and yields ``(key, message)``
+    for every violated relation between fields. It only judges plain numbers: ``"auto"`` is left
+    to the schedule's constructor, which applies the same rule again once it is resolved.
     """
 
     def attach(cls):
-        def hook(data, path, report):
-            if isinstance(data, dict):
-                values = {}
-                for a in attrs.fields(cls):
-                    if a.default is not attrs.NOTHING and not isinstance(a.default, attrs.Factory):
-                        values[a.name] = a.default
-                values.update(data)
-                for key, message in rule(values):
-                    report.error(f"{path}.{key}" if path else key, message)
-            return data
-
-        cls.__legacy__ = staticmethod(hook)
+        cls.__rules__ = (rule,)
         return cls
 
     return attach
