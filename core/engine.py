@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Dict, List, Optional
 
 import pluggy
@@ -23,7 +22,7 @@ from .config import DsplugConfig
 from .config.auto import model_hidden_size
 from .context import BuildContext
 from .hookspecs import PROJECT, LifecycleSpecs
-from .logging import logger, log_rank0
+from .logging import log_rank0
 from .registry import get_registry
 from .timers import StepTimers
 
@@ -63,6 +62,7 @@ class Engine(torch.nn.Module):
         self.zero_config = self.config.section("zero_optimization")
         stage_number = self.zero_config.stage if self.zero_config is not None else 0
         stage_plugin = self.registry.get("zero_stage", str(stage_number), what="zero_optimization.stage")
+        _refuse_partitioned_params(model, stage_number)
         self.stage = stage_plugin.spec.factory(model, param_groups, self._optimizer_builder(optimizer),
                                                self.precision, self.zero_config, self.context)
         self.optimizer = self.stage.optimizer
@@ -284,6 +284,19 @@ class Engine(torch.nn.Module):
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 
+    def model_state_memory(self) -> Dict[str, int]:
+        """Bytes this rank's engine holds now: ``parameters``, ``gradients``, ``optimizer_states``
+        (incl. fp32 master weights), their ``total``, and communication ``buffers`` (bucket buffers).
+
+        Compare with ``dsplug.plugins.zero.memory.model_state_bytes``. (DeepSpeed's
+        ``memory_breakdown()`` is the config flag, so this has its own name.)
+        """
+        report = getattr(self.stage, "memory_breakdown", None)
+        if report is None:
+            raise NotImplementedError(f"ZeRO stage {self.stage.stage} ({type(self.stage).__name__}) does not "
+                                      "report its memory (it has no memory_breakdown())")
+        return report()
+
     def dump_state(self) -> None:
         import json
 
@@ -427,6 +440,14 @@ class Engine(torch.nn.Module):
         """Close monitors' files and remove hooks; the engine is unusable afterwards."""
         self.events.hook.dsplug_engine_closed(engine=self)
         self.stage.close()
+
+
+def _refuse_partitioned_params(model, stage: int) -> None:
+    from .zero import is_zero_param
+
+    if stage != 3 and any(is_zero_param(p) for p in model.parameters()):
+        raise ValueError(f"the model was built under dsplug.zero.Init, so its parameters are partitioned, but "
+                         f"zero_optimization.stage is {stage}; use stage 3 (or build the model without zero.Init)")
 
 
 def _param_groups(model, model_parameters, client_optimizer) -> List[dict]:

@@ -252,3 +252,24 @@ def test_config_scheduler_steps_once_per_optimizer_step_and_not_on_overflow():
     applied = [1, 2, 2, 3, 4]  # step index 2 overflowed: the schedule did not advance
     assert got["lrs"] == pytest.approx([0.1 * (k - 1) / 10 for k in applied])
     assert got["skipped"] == 1
+
+
+def test_model_built_under_zero_init_needs_stage_3():
+    with dsplug.zero.Init():
+        model = make_model()
+    with pytest.raises(ValueError, match="built under dsplug.zero.Init.*zero_optimization.stage is 0; use stage 3"):
+        dsplug.initialize(model=model, optimizer=sgd, config={"train_batch_size": 4})
+
+
+def test_stage0_refuses_a_partitioned_checkpoint_clearly(tmp_path):
+    from dsplug.checkpoint import CheckpointError
+
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 3}}
+    engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config=config)
+    engine.save_checkpoint(tmp_path)
+    plain, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config={"train_batch_size": 4})
+    with pytest.raises(CheckpointError, match="holds ZeRO stage 3 partitions, but the engine runs stage 0"):
+        plain.load_checkpoint(tmp_path)
+    path, _ = plain.load_checkpoint(tmp_path, load_module_only=True)
+    for a, b in zip(plain.module.parameters(), engine.stage.module_state_dict().values()):
+        assert torch.equal(a.detach(), b)

@@ -49,7 +49,8 @@ class ZeroConfig:
     contiguous_gradients: bool = field(True, doc="copy gradients into one contiguous buffer")
     load_from_fp32_weights: bool = field(True, doc="restore fp32 master weights from the checkpoint's fp32 copy")
     grad_hooks: bool = field(True, doc="stage 1: reduce gradients from backward hooks")
-    round_robin_gradients: bool = field(False, doc="spread gradient copies over ranks round-robin")
+    round_robin_gradients: bool = field(False, doc="stages 1/2: flatten each group's parameters round-robin over "
+                                        "ranks, so successive layers' gradient reductions go to different ranks")
     offload_param: OffloadParamConfig = field(factory=OffloadParamConfig)
     offload_optimizer: OffloadOptimizerConfig = field(factory=OffloadOptimizerConfig)
     sub_group_size: int = field(BIG, ge=1, doc="elements of optimizer state stepped (and swapped) together")

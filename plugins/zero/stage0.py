@@ -143,6 +143,13 @@ class DataParallelStage:
 
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True, **_unused) -> None:
         """Every rank saved the same replicated state, so this rank's (or any) file will do."""
+        if "optimizer" not in state:
+            from dsplug.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"this checkpoint holds ZeRO stage {state.get('zero_stage', '?')} partitions, but the engine runs "
+                "stage 0: load it with the stage it was saved with, or pass load_module_only=True (or "
+                "consolidate it with `dsplug zero-to-fp32`)")
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.master:

@@ -1,0 +1,276 @@
+"""Partitioned parameters: how ZeRO stage 3 represents a ``torch.nn.Parameter``.
+
+A partitioned parameter keeps only this rank's slice of its elements in ``param.ds_tensor``
+(1-D); ``param.data`` is an empty placeholder until the full value is gathered. The slicing is
+the ``per_param`` layout of docs/zero-stages.md: a parameter of n elements is padded with zeros
+to a multiple of the world size N, and rank r owns elements ``[r*k, (r+1)*k)``, ``k = ceil(n/N)``.
+
+Attributes set on every partitioned parameter (DeepSpeed's names, which user scripts and the
+Hugging Face integration read): ``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``,
+``ds_status`` (:class:`ZeroParamStatus`) and ``ds_persist`` (always whole: never released).
+
+:class:`ParamPartitioner` converts parameters and moves them between the states::
+
+    NOT_AVAILABLE --gather--> INFLIGHT --wait--> AVAILABLE --release--> NOT_AVAILABLE
+
+Gathers of several parameters are coalesced into one all-gather: each rank sends its pieces
+concatenated (``[A_r | B_r]``); the rank-major result ``[A_0 B_0 | A_1 B_1 | ...]`` is viewed as
+an (N, K) matrix whose column blocks are the parameters.
+
+The seam for offloading (ZeRO-Infinity, a separate plugin): the partition lives on
+``partition_device`` and is brought to the compute device by :meth:`ParamPartitioner.local_piece`
+just before it is sent; everything else only touches ``ds_tensor`` through this class.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+
+_ids = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1  # the full value is in param.data
+    NOT_AVAILABLE = 2  # only the partition exists
+    INFLIGHT = 3  # an all-gather is on its way
+
+
+def is_partitioned(param) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements each rank owns of a parameter with ``numel`` elements: ``ceil(numel / N)``."""
+    return math.ceil(numel / world_size)
+
+
+def piece_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` in the per_param layout (zero-padded, 1-D, a copy)."""
+    flat = full.reshape(-1)
+    k = partition_numel(flat.numel(), world_size)
+    out = torch.zeros(k, dtype=full.dtype, device=full.device)
+    start, stop = rank * k, min((rank + 1) * k, flat.numel())
+    if stop > start:
+        out[: stop - start].copy_(flat[start:stop])
+    return out
+
+
+def unique(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class GatherHandle:
+    """An all-gather of several partitioned parameters of one dtype; ``wait()`` fills them in."""
+
+    def __init__(self, partitioner: "ParamPartitioner", params: List[torch.nn.Parameter]):
+        self.partitioner = partitioner
+        self.params = params
+        world = partitioner.world_size
+        self.sizes = [p.ds_tensor.numel() for p in params]
+        total = sum(self.sizes)
+        dtype = params[0].ds_tensor.dtype
+        device = partitioner.device
+        pieces = [partitioner.local_piece(p) for p in params]
+        send = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        self.recv = torch.empty(world * total, dtype=dtype, device=device)
+        self.work = partitioner.comm.all_gather_into_tensor(self.recv, send, async_op=True) if total else None
+        self.done = False
+        for p in params:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+            p._ds_handle = self
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.work is not None:
+            self.work.wait()
+        world = self.partitioner.world_size
+        if len(self.params) == 1:
+            fulls = [self.recv]
+        else:
+            matrix = self.recv.view(world, sum(self.sizes))
+            fulls, offset = [], 0
+            for k in self.sizes:
+                full = torch.empty(world * k, dtype=self.recv.dtype, device=self.recv.device)
+                full.view(world, k).copy_(matrix[:, offset:offset + k])
+                fulls.append(full)
+                offset += k
+        for p, full in zip(self.params, fulls):
+            p.data = full[: p.ds_numel].view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+            p._ds_handle = None
+            if not p.ds_persist:
+                self.partitioner.inflight_numel -= p.ds_numel
+        self.recv = None
+
+
+class ParamPartitioner:
+    """Partitions parameters and gathers / releases them through the comm layer.
+
+    comm:             the :mod:`dsplug.comm` layer (every collective goes through it)
+    rank, world_size: this process's place in the data-parallel group
+    device:           the compute device (where gathered parameters live)
+    partition_device: where partitions live (the compute device unless offloaded)
+    """
+
+    def __init__(self, comm, rank: int, world_size: int, device, partition_device=None):
+        self.comm = comm
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.partition_device = torch.device(partition_device) if partition_device is not None else self.device
+        #: non-persistent parameters whose full value exists or is on its way, oldest first
+        self.live: "OrderedDict[int, torch.nn.Parameter]" = OrderedDict()
+        self.live_numel = 0  # elements of the parameters in ``live``
+        self.inflight_numel = 0  # elements of the non-persistent parameters still INFLIGHT
+        #: called with the parameters whose partitions were rewritten from a full value
+        self.update_listeners: List[Callable[[List[torch.nn.Parameter]], None]] = []
+
+    # ------------------------------------------------------------------ conversion
+    def partition(self, params: Iterable[torch.nn.Parameter], broadcast_from: Optional[int] = None,
+                  dtype: Optional[torch.dtype] = None) -> List[torch.nn.Parameter]:
+        """Turn full parameters into partitioned ones (this rank keeps its slice).
+
+        ``broadcast_from``: first make every rank's values equal to that rank's (zero.Init, where
+        each rank initialised its own copy).
+        """
+        todo = [p for p in unique(params) if not is_partitioned(p)]
+        if broadcast_from is not None and self.world_size > 1:
+            self._broadcast(todo, broadcast_from)
+        for p in todo:
+            full = p.data if dtype is None else p.data.to(dtype)
+            p.ds_id = next(_ids)
+            p.ds_shape = full.shape
+            p.ds_numel = full.numel()
+            p.ds_tensor = piece_of(full, self.rank, self.world_size).to(self.partition_device)
+            p.ds_persist = False
+            p._ds_holds = 0
+            p._ds_handle = None
+            p._ds_partitioner = self
+            p.ds_status = ZeroParamStatus.AVAILABLE
+            self._drop_full(p)
+        return todo
+
+    def adopt(self, p: torch.nn.Parameter, dtype: Optional[torch.dtype] = None) -> None:
+        """Take over a parameter partitioned elsewhere (e.g. by zero.Init) into this partitioner."""
+        if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+            owner = p._ds_partitioner
+            owner.wait(p)
+            owner._remove_live(p)
+            self._drop_full(p)
+        target_dtype = dtype or p.ds_tensor.dtype
+        if p.ds_tensor.dtype != target_dtype or p.ds_tensor.device != self.partition_device:
+            p.ds_tensor = p.ds_tensor.to(device=self.partition_device, dtype=target_dtype)
+        p.data = torch.empty(0, dtype=target_dtype, device=self.device)
+        p._ds_partitioner = self
+
+    def _broadcast(self, params: List[torch.nn.Parameter], src: int) -> None:
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([p.data.reshape(-1) for p in group]).to(self.device)
+            self.comm.broadcast(flat, src=src)
+            offset = 0
+            with torch.no_grad():
+                for p in group:
+                    p.data.copy_(flat[offset:offset + p.numel()].view_as(p.data))
+                    offset += p.numel()
+
+    # ------------------------------------------------------------------ gather / release
+    def local_piece(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's partition on the compute device, ready to send (the offload seam)."""
+        piece = p.ds_tensor
+        return piece if piece.device == self.device else piece.to(self.device, non_blocking=True)
+
+    def gather_async(self, params: Iterable[torch.nn.Parameter]) -> List[GatherHandle]:
+        """Start all-gathers for the parameters that are NOT_AVAILABLE (one per dtype)."""
+        todo = [p for p in unique(params) if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for p in todo:
+            by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
+            if not p.ds_persist:
+                self._add_live(p)
+                self.inflight_numel += p.ds_numel
+        return [GatherHandle(self, group) for group in by_dtype.values()]
+
+    def fetch(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Make every parameter AVAILABLE (gathering, or waiting for a gather in flight)."""
+        params = list(params)
+        for handle in self.gather_async(params):
+            handle.wait()
+        for p in params:
+            self.wait(p)
+
+    @staticmethod
+    def wait(p: torch.nn.Parameter) -> None:
+        if p.ds_status is ZeroParamStatus.INFLIGHT:
+            p._ds_handle.wait()
+
+    def release(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Drop the full values (not of persistent parameters, nor of ones held by a context)."""
+        for p in params:
+            if p.ds_persist or p._ds_holds > 0 or p.ds_status is ZeroParamStatus.NOT_AVAILABLE:
+                continue
+            self.wait(p)
+            self._remove_live(p)
+            self._drop_full(p)
+
+    def release_all(self) -> None:
+        """Release every gathered non-persistent parameter that no context holds."""
+        self.release(list(self.live.values()))
+
+    def _add_live(self, p) -> None:
+        if p.ds_id not in self.live:
+            self.live[p.ds_id] = p
+            self.live_numel += p.ds_numel
+
+    def _remove_live(self, p) -> None:
+        if self.live.pop(p.ds_id, None) is not None:
+            self.live_numel -= p.ds_numel
+
+    def _drop_full(self, p: torch.nn.Parameter) -> None:
+        p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.device)
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+    # ------------------------------------------------------------------ persistence / updates
+    def make_persistent(self, params: Iterable[torch.nn.Parameter]) -> None:
+        params = list(params)
+        for p in params:
+            if p.ds_id in self.live and p.ds_status is ZeroParamStatus.INFLIGHT:
+                self.inflight_numel -= p.ds_numel
+            self._remove_live(p)
+            p.ds_persist = True
+        self.fetch(params)
+
+    def refresh(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Re-gather parameters that stay whole (persistent or held) after their partitions changed."""
+        params = [p for p in params if p.ds_status is ZeroParamStatus.AVAILABLE]
+        for p in params:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            self._remove_live(p)
+        self.fetch(params)
+
+    def write_back(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Store this rank's slice of each (AVAILABLE) parameter's full value into its partition."""
+        params = [p for p in unique(params) if p.ds_status is ZeroParamStatus.AVAILABLE]
+        with torch.no_grad():
+            for p in params:
+                p.ds_tensor.copy_(piece_of(p.data, self.rank, self.world_size))
+        for listener in self.update_listeners:
+            listener(params)
+
+    def hold(self, params: Iterable[torch.nn.Parameter], delta: int) -> None:
+        for p in params:
+            p._ds_holds += delta

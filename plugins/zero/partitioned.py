@@ -1,0 +1,402 @@
+"""ZeRO stages 1 and 2: optimizer states (and fp32 master weights), then gradients, partitioned.
+
+Layout (:mod:`.partition`): each param group is one flat buffer in the model dtype; the module's
+parameters are views into it; rank r owns the slice ``[r*P, (r+1)*P)``. Each rank keeps only its
+slice of the fp32 master weights (fp16/bf16; in fp32 the optimizer steps the slice of the buffer
+itself) and of the optimizer state, and the optimizer sees one flat tensor per group.
+
+Gradients (:mod:`.reducer`): averaged over ranks in buckets of ``reduce_bucket_size`` elements and
+added into their owner's gradient partition (in the accumulation dtype).
+
+* stage 1: gradients accumulate whole, locally, over the micro-steps; they are reduced during the
+  backward pass of the last micro-step (from the gradient hooks; with ``grad_hooks=false`` after
+  that backward pass) and then released.
+* stage 2: every micro-step's gradients are reduced as backward produces them, so between
+  micro-steps only this rank's gradient partition is kept.
+
+Step: the partition gradients become the fp32 master gradients, are unscaled (fp16), the global
+norm is summed over ranks (overflow check, clipping), the optimizer steps the local slice, the
+slice is written back in the model dtype and the slices are all-gathered (``allgather_bucket_size``
+elements at a time) or, with ``allgather_partitions=false`` or the top-level ``disable_allgather``,
+broadcast from their owners.
+
+Checkpoints follow the ``contiguous`` layout of ``docs/zero-stages.md``; a checkpoint saved with
+another world size (or the ``per_param`` layout of stage 3) is merged and re-sliced on load.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from dsplug.checkpoint import CheckpointError
+from dsplug.zero_to_fp32 import merge_partitions
+
+from .optimizer_check import check_elementwise
+from .partition import FlatGroup, gather_partitions, round_robin_order
+from .reducer import GradientReducer
+from .stage0 import _comm_dtype
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class PartitionedStage:
+    def __init__(self, stage: int, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision,
+                 zero_config, kernel_config, context):
+        if stage not in (1, 2):
+            raise ValueError(f"PartitionedStage implements ZeRO stages 1 and 2, not {stage}")
+        self.stage = stage
+        self.module = module
+        self.precision = precision
+        self.context = context
+        self.comm = context.comm
+        self.world_size, self.rank = context.world_size, context.rank
+        self.zero_config = zero_config
+        self.clip = float(kernel_config.gradient_clipping or 0.0)
+        _refuse_unimplemented(zero_config, stage)
+        self.ignore_unused = bool(getattr(zero_config, "ignore_unused_parameters", True))
+        self.load_from_fp32_weights = bool(getattr(zero_config, "load_from_fp32_weights", True))
+        self.grad_hooks = stage == 2 or bool(getattr(zero_config, "grad_hooks", True))
+        self.use_broadcast = bool(kernel_config.disable_allgather) or \
+            not bool(getattr(zero_config, "allgather_partitions", True))
+        self.allgather_elements = int(getattr(zero_config, "allgather_bucket_size", 5 * 10 ** 8))
+
+        names = {p: n for n, p in module.named_parameters()}
+        _check_groups(param_groups, names, stage)
+        self.groups: List[FlatGroup] = []
+        for gi, g in enumerate(param_groups):
+            params = list(g["params"])
+            if getattr(zero_config, "round_robin_gradients", False):
+                params = round_robin_order(params, self.world_size)
+            self.groups.append(FlatGroup(gi, params, [names[p] for p in params], self.world_size, self.rank,
+                                         precision.model_dtype, params[0].device))
+        self.params = [p for g in self.groups for p in g.params]
+
+        if precision.master_weights:
+            self.opt_params = [g.local.detach().to(torch.float32).clone() for g in self.groups]
+        else:
+            self.opt_params = [g.local for g in self.groups]  # the optimizer steps the buffer itself
+        # the optimizer sees each partition as views of at most OPTIMIZER_CHUNK elements
+        self.chunks = [_chunk_views(t) for t in self.opt_params]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        self.optimizer = build_optimizer([{**h, "params": c} for h, c in zip(hyper, self.chunks)])
+        if self.optimizer is not None:
+            check_elementwise(self.optimizer, stage, bool(kernel_config.zero_allow_untested_optimizer))
+
+        self.accum_dtype = precision.grad_accum_dtype or precision.model_dtype
+        self.partition_grads: List[Optional[torch.Tensor]] = [None] * len(self.groups)
+        self.accumulators: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._trainable = set(self.params)
+        backward_order = [p for p in reversed(list(module.parameters())) if p in self._trainable]
+        self.reducer = GradientReducer(
+            self.groups, backward_order, max(1, int(getattr(zero_config, "reduce_bucket_size", 5 * 10 ** 8))),
+            self.comm, self.rank, self.world_size, _comm_dtype(kernel_config, self.accum_dtype),
+            self.groups[0].buffer.device, prescale=kernel_config.prescale_gradients,
+            predivide=kernel_config.gradient_predivide_factor,
+            reduce_scatter=bool(getattr(zero_config, "reduce_scatter", True)),
+            overlap=bool(getattr(zero_config, "overlap_comm", False)),
+            contiguous=bool(getattr(zero_config, "contiguous_gradients", True)),
+            grad_of=self._grad_of, release=self._release, deliver=self._deliver)
+        self._boundary = True
+        self._unreduced = False  # stage 1: accumulated gradients not reduced yet
+        self._accumulating = False  # the gradient partitions hold a backward pass's values
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.last_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ backward
+    def _grad_of(self, p) -> Optional[torch.Tensor]:
+        if p.dtype != self.accum_dtype and self.stage == 1:
+            return self.accumulators.get(p)
+        return p.grad
+
+    def _release(self, p) -> None:
+        p.grad = None
+        self.accumulators.pop(p, None)
+
+    def _deliver(self, gi: int, start: int, values: torch.Tensor) -> None:
+        """Put reduced gradient values into this rank's partition: every element of the partition
+        (padding aside) is delivered exactly once per backward pass, so the first pass after a
+        step overwrites and later ones accumulate; no zeroing pass is needed."""
+        part = self.partition_grads[gi]
+        if part is None:
+            group = self.groups[gi]
+            part = self.partition_grads[gi] = torch.empty(group.partition_numel, dtype=self.accum_dtype,
+                                                          device=values.device)
+            part[max(0, group.numel - self.rank * group.partition_numel):].zero_()  # padding
+        target = part[start:start + values.numel()]
+        if self._accumulating:
+            target.add_(values)
+        else:
+            target.copy_(values)
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self.stage == 1:
+            if p.dtype != self.accum_dtype:
+                acc = self.accumulators.get(p)
+                if acc is None:
+                    self.accumulators[p] = p.grad.detach().to(self.accum_dtype)
+                else:
+                    acc.add_(p.grad.detach())
+                p.grad = None
+            self._unreduced = True
+            if not (self._boundary and self.grad_hooks):
+                return
+        self.reducer.on_grad(p)
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self._boundary = is_boundary
+
+    def after_backward(self) -> None:
+        if self.stage == 2 or self._boundary:
+            self._reduce_round()
+
+    def _reduce_round(self) -> None:
+        if self.stage == 1:
+            for p in self.reducer.backward_params():
+                if self._grad_of(p) is not None:
+                    self.reducer.on_grad(p)  # no-op for gradients the hooks already handed over
+        missing = set(self.reducer.missing())
+        if missing and not self.ignore_unused:
+            names = [n for g in self.groups for p, n in zip(g.params, g.names) if p in missing]
+            self.reducer.start_round()
+            raise RuntimeError(
+                f"ZeRO stage {self.stage}: {len(names)} parameter(s) received no gradient in this backward pass: "
+                f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}. Set "
+                "zero_optimization.ignore_unused_parameters=true to treat them as zero gradients, or leave them "
+                "out of the optimizer (requires_grad=False)")
+        self.reducer.finish_round()
+        self._unreduced = False
+        self._accumulating = True
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> bool:
+        """Apply one optimizer step; return False if an overflow skipped it."""
+        if self._unreduced:  # stage 1 after a backward that did not reduce (allreduce_gradients=False)
+            self._reduce_round()
+        grads = []
+        for gi, (group, target) in enumerate(zip(self.groups, self.opt_params)):
+            part = self.partition_grads[gi] if self._accumulating else None  # None: no backward since the last step
+            if part is None:
+                part = torch.zeros(group.partition_numel, dtype=self.accum_dtype, device=target.device)
+            grad = part if part.dtype == target.dtype else part.to(target.dtype)
+            for chunk, view in zip(self.chunks[gi], _chunk_views(grad)):
+                chunk.grad = view
+            grads.append(grad)
+        scale = self.precision.loss_scale
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = self._global_norm(grads)
+        self.last_grad_norm = norm
+        overflow = self.precision.checks_overflow and not math.isfinite(norm)
+        if self.precision.loss_scaler is not None:
+            self.precision.loss_scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            return False
+        if self.clip > 0 and norm > self.clip:
+            torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
+        self.optimizer.step()
+        with torch.no_grad():
+            if self.precision.master_weights:
+                for group, master in zip(self.groups, self.opt_params):
+                    group.local.copy_(master)
+            if self.world_size > 1:
+                gather_partitions(self.groups, self.comm, self.allgather_elements, self.use_broadcast)
+        self.zero_grad()
+        return True
+
+    def _global_norm(self, grads: List[torch.Tensor]) -> float:
+        local = sum(float(torch.linalg.vector_norm(g, 2, dtype=torch.float32)) ** 2 for g in grads)
+        if self.world_size > 1:
+            total = torch.tensor([local], dtype=torch.float64, device=grads[0].device)
+            self.comm.all_reduce(total)
+            local = float(total)
+        return math.sqrt(local) if math.isfinite(local) else float("nan") if math.isnan(local) else float("inf")
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for chunk in (c for chunks in self.chunks for c in chunks):
+            chunk.grad = None
+        self.accumulators.clear()
+        self._accumulating = False  # the next backward pass overwrites the gradient partitions
+        if self.stage == 1:  # stage 2 keeps its gradient partition (reused every step)
+            self.partition_grads = [None] * len(self.groups)
+        self.reducer.start_round()
+        self._unreduced = False
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        groups = []
+        for gi, (group, target) in enumerate(zip(self.groups, self.opt_params)):
+            state = self._joined_state(gi)
+            hyper = {k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"}
+            fp32 = target.detach().clone() if not self.precision.master_weights else target.detach()
+            groups.append({**group.describe(), "fp32": fp32.to(torch.float32), "state": state, "hyper": hyper})
+        return {"zero_stage": self.stage, "layout": "contiguous", "world_size": self.world_size, "rank": self.rank,
+                "groups": groups}
+
+    def _joined_state(self, gi: int) -> dict:
+        """Group ``gi``'s optimizer state over its whole partition: element-wise state concatenated
+        over the chunks, per-group scalars (the same in every chunk) from the first."""
+        partition = self.groups[gi].partition_numel
+        per_chunk = [self.optimizer.state.get(c, {}) for c in self.chunks[gi]]
+        state = {}
+        for key, value in per_chunk[0].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                parts = [s[key] for s in per_chunk]
+                if any(p.shape != c.shape for p, c in zip(parts, self.chunks[gi])):
+                    raise RuntimeError(f"optimizer state {key!r} of group {gi} is neither a scalar nor element-wise "
+                                       f"(shape {tuple(value.shape)} for a slice of {self.chunks[gi][0].numel()})")
+                state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+                assert state[key].numel() == partition
+            else:
+                state[key] = value
+        return state
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True, saved_world_size=None,
+                        read_rank=None) -> None:
+        if not isinstance(state, dict) or "layout" not in state:
+            saved = state.get("zero_stage", 0) if isinstance(state, dict) else "?"
+            raise CheckpointError(
+                f"ZeRO stage {self.stage} cannot load this checkpoint's optimizer state: it was saved without "
+                f"partitions (ZeRO stage {saved}). Load it with load_module_only=True (weights only, fresh optimizer), "
+                "or at the stage it was saved with")
+        if self._same_partitioning(state):
+            slices = [self._slice_of_saved_group(g) for g in state["groups"]]
+        else:
+            if read_rank is None:
+                raise CheckpointError(f"the checkpoint was saved with {state['world_size']} ranks ({state['layout']} "
+                                      f"layout); re-slicing it for {self.world_size} needs every rank's file")
+            world = int(saved_world_size or state["world_size"])
+            merged = merge_partitions([read_rank(r) for r in range(world)], where="optimizer states")
+            slices = [self._slice_of_merged_group(gi, m) for gi, m in enumerate(self._match_groups(merged))]
+        with torch.no_grad():
+            for group, target, (fp32, _, _, _) in zip(self.groups, self.opt_params, slices):
+                if self.load_from_fp32_weights:
+                    target.copy_(fp32)
+                    if self.precision.master_weights:
+                        group.local.copy_(target)
+                else:
+                    target.copy_(group.local)  # master := the module's (possibly 16-bit) weights
+        if load_optimizer_states and self.optimizer is not None:
+            states, groups, index = {}, [], 0
+            for gi, (current, (_, elementwise, scalars, hyper)) in enumerate(zip(self.optimizer.param_groups, slices)):
+                ids, lo = [], 0
+                for chunk in self.chunks[gi]:
+                    states[index] = {**{k: v[lo:lo + chunk.numel()] for k, v in elementwise.items()}, **scalars}
+                    ids.append(index)
+                    index, lo = index + 1, lo + chunk.numel()
+                groups.append({**{k: v for k, v in current.items() if k != "params"}, **hyper, "params": ids})
+            self.optimizer.load_state_dict({"state": states, "param_groups": groups})
+
+    def _same_partitioning(self, state: dict) -> bool:
+        return (state.get("layout") == "contiguous" and int(state.get("world_size", -1)) == self.world_size
+                and int(state.get("rank", -1)) == self.rank and len(state["groups"]) == len(self.groups)
+                and all(list(s["names"]) == g.names and int(s["partition_numel"]) == g.partition_numel
+                        for s, g in zip(state["groups"], self.groups)))
+
+    @staticmethod
+    def _slice_of_saved_group(saved: dict):
+        partition = int(saved["partition_numel"])
+        elementwise, scalars = {}, {}
+        for key, value in saved.get("state", {}).items():
+            is_slice = isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == partition
+            (elementwise if is_slice else scalars)[key] = value
+        return saved["fp32"], elementwise, scalars, dict(saved.get("hyper", {}))
+
+    def _match_groups(self, merged):
+        if len(merged) != len(self.groups):
+            raise CheckpointError(f"the checkpoint has {len(merged)} optimizer param group(s), this engine has "
+                                  f"{len(self.groups)}")
+        for gi, (m, g) in enumerate(zip(merged, self.groups)):
+            if set(m.names) != set(g.names):
+                missing, extra = sorted(set(g.names) - set(m.names)), sorted(set(m.names) - set(g.names))
+                raise CheckpointError(f"param group {gi} of the checkpoint holds other parameters than this engine's: "
+                                      f"missing {missing[:5]}, unexpected {extra[:5]}")
+        return merged
+
+    def _slice_of_merged_group(self, gi: int, merged):
+        group = self.groups[gi]
+        lo, hi = self.rank * group.partition_numel, (self.rank + 1) * group.partition_numel
+        fp32 = group.flatten(merged.fp32)[lo:hi]
+        elementwise = {key: group.flatten(per_name, dtype=next(iter(per_name.values())).dtype)[lo:hi].clone()
+                       for key, per_name in merged.state.items()}
+        return fp32, elementwise, dict(merged.scalars), dict(merged.hyper)
+
+    def module_state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_module_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)
+
+    def refresh_master_from_model(self) -> None:
+        if self.precision.master_weights:
+            with torch.no_grad():
+                for group, master in zip(self.groups, self.opt_params):
+                    master.copy_(group.local)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds now in parameters, gradients, optimizer states and bucket buffers."""
+        params = sum(_nbytes(g.buffer) for g in self.groups)
+        params += sum(_nbytes(p) for p in self.module.parameters() if p not in self._trainable)  # frozen
+        grads = sum(_nbytes(t) for t in self.partition_grads)
+        grads += sum(_nbytes(p.grad) for p in self.params) + sum(_nbytes(t) for t in self.accumulators.values())
+        optim = sum(_nbytes(t) for t in self.opt_params) if self.precision.master_weights else 0
+        for chunk in (c for chunks in self.chunks for c in chunks):
+            optim += sum(_nbytes(v) for v in self.optimizer.state.get(chunk, {}).values()
+                         if isinstance(v, torch.Tensor))
+        buffers = self.reducer.buffer_bytes()
+        return {"parameters": params, "gradients": grads, "optimizer_states": optim, "buffers": buffers,
+                "total": params + grads + optim}
+
+
+#: the optimizer steps a partition as views of at most this many elements: an unfused optimizer's
+#: temporaries then stay small (a partition-sized temporary costs memory and, freshly mapped every
+#: step, page faults); element-wise optimizers compute the same either way
+OPTIMIZER_CHUNK = 2 ** 22
+
+
+def _chunk_views(t: torch.Tensor) -> List[torch.Tensor]:
+    if t.numel() <= OPTIMIZER_CHUNK:
+        return [t]
+    return [t[a:a + OPTIMIZER_CHUNK] for a in range(0, t.numel(), OPTIMIZER_CHUNK)]
+
+
+def _check_groups(param_groups: List[dict], names: dict, stage: int) -> None:
+    seen = {}
+    for gi, g in enumerate(param_groups):
+        devices = {p.device for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"ZeRO stage {stage}: param group {gi} has parameters on several devices "
+                             f"({', '.join(sorted(map(str, devices)))}); each group is flattened into one buffer")
+        for i, p in enumerate(g["params"]):
+            if p not in names:
+                raise ValueError(f"ZeRO stage {stage}: parameter {i} of param group {gi} (shape {tuple(p.shape)}) is "
+                                 f"not a parameter of the model; stage {stage} partitions and checkpoints the "
+                                 "model's parameters by name")
+            if p in seen:
+                raise ValueError(f"ZeRO stage {stage}: parameter {names[p]!r} appears twice in the param groups "
+                                 f"(group {seen[p]} and group {gi})")
+            seen[p] = gi
+
+
+def _refuse_unimplemented(zero_config, stage: int) -> None:
+    if zero_config is None:
+        return
+    device = getattr(getattr(zero_config, "offload_optimizer", None), "device", "none")
+    if device not in (None, "none"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device={device!r}: ZeRO-Offload is not implemented "
+                         f"by dsplug's stage {stage} yet; set it to 'none'")
+    if getattr(zero_config, "legacy_stage1", False):
+        raise ValueError("zero_optimization.legacy_stage1=true: DeepSpeed's legacy stage 1 is not available in "
+                         "dsplug; remove the key (stage 1 here is the current implementation)")

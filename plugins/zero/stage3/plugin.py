@@ -1,0 +1,19 @@
+"""Registers ZeRO stage 3 as the ``zero_stage`` plugin named "3" (cheap to import)."""
+from __future__ import annotations
+
+from dsplug import PluginSpec, hookimpl
+
+
+def build_stage3(module, param_groups, build_optimizer, precision, zero_config, context):
+    from .stage import PartitionedParamStage
+
+    return PartitionedParamStage(module, param_groups, build_optimizer, precision, zero_config, context)
+
+
+@hookimpl
+def dsplug_zero_stages():
+    return [
+        PluginSpec(category="zero_stage", name="3", factory=build_stage3,
+                   summary="parameters, gradients and optimizer states partitioned; modules gather their "
+                           "parameters just before use"),
+    ]

@@ -1,0 +1,84 @@
+"""Gradient reduce-scatter into the owners' partitions (ZeRO stage 3).
+
+Full gradients arrive one parameter at a time during backward (from the stage's gradient hooks,
+in the same order on every rank). They are collected into buckets of about
+``reduce_bucket_size`` elements. A bucket is laid out rank-major — row r holds rank r's piece
+of every gradient in the bucket, ``[A_r | B_r | ...]`` — so that one reduce-scatter leaves each
+rank exactly its own pieces, which are added into its gradient partitions.
+
+Averaging over ranks follows stage 0 (``plugins/zero/buckets.py``): ``prescale_gradients``
+divides by N before the reduction, otherwise the sum is divided by ``gradient_predivide_factor``
+before and multiplied by ``predivide / N`` after.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+class GradientReducer:
+    def __init__(self, comm, rank: int, world_size: int, dtype: torch.dtype, bucket_elements: int,
+                 prescale: bool, predivide: float, use_reduce_scatter: bool, overlap: bool,
+                 accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None]):
+        self.comm = comm
+        self.rank = rank
+        self.world_size = world_size
+        self.dtype = dtype
+        self.bucket_elements = max(1, int(bucket_elements))
+        self.prescale = prescale
+        self.predivide = float(predivide)
+        self.use_reduce_scatter = use_reduce_scatter
+        self.overlap = overlap
+        self.accumulate = accumulate
+        self.pending: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.pending_elements = 0
+        self.outstanding: list = []
+
+    def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        self.pending.append((p, grad))
+        self.pending_elements += p.ds_tensor.numel() * self.world_size
+        if self.pending_elements >= self.bucket_elements:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        world = self.world_size
+        params = [p for p, _ in self.pending]
+        sizes = [p.ds_tensor.numel() for p in params]
+        columns = [F.pad(g.reshape(-1).to(self.dtype), (0, world * k - g.numel())).view(world, k)
+                   for (_, g), k in zip(self.pending, sizes)]
+        bucket = columns[0].contiguous() if len(columns) == 1 else torch.cat(columns, dim=1)
+        self.pending, self.pending_elements = [], 0
+        if self.prescale:
+            bucket.div_(world)
+        elif self.predivide != 1.0:
+            bucket.div_(self.predivide)
+        if self.use_reduce_scatter:
+            mine = torch.empty(sum(sizes), dtype=self.dtype, device=bucket.device)
+            work = self.comm.reduce_scatter_tensor(mine, bucket.view(-1), async_op=self.overlap)
+        else:
+            work = self.comm.all_reduce(bucket, async_op=self.overlap)
+            mine = bucket[self.rank]
+        self.outstanding.append((work, mine, params, sizes))
+        if not self.overlap:
+            self._complete_all()
+
+    def finish(self) -> None:
+        """Reduce what is left and wait for every reduction of this backward pass."""
+        self.flush()
+        self._complete_all()
+
+    def _complete_all(self) -> None:
+        for work, mine, params, sizes in self.outstanding:
+            if work is not None:
+                work.wait()
+            if not self.prescale:
+                mine.mul_(self.predivide / self.world_size)
+            offset = 0
+            for p, k in zip(params, sizes):
+                self.accumulate(p, mine[offset:offset + k])
+                offset += k
+        self.outstanding = []

@@ -1,0 +1,446 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states are all partitioned.
+
+Each rank holds, for every parameter, only its slice (``per_param`` layout, see
+:mod:`dsplug.zero.partitioned_param`): the 16-bit (or fp32) partition the model computes with,
+the gradient partition, and the fp32 master partition with the optimizer state. Per optimizer
+param group these live in flat buffers; each parameter's pieces are views into them, and the
+optimizer steps the views (so element-wise optimizers behave exactly as on full tensors).
+
+Forward / backward: :class:`~.coordinator.ParamCoordinator` gathers each module's parameters
+just before it runs and releases them after. Gradients: a hook on every parameter takes its
+full gradient as soon as autograd has accumulated it, hands it to the
+:class:`~.reduce.GradientReducer` (reduce-scatter into the owners' partitions, every micro-step),
+and lets the coordinator release the parameter.
+
+Step: the gradient partitions are unscaled (fp16), the global norm is one all-reduce of the
+partitions' squared norms, clipping and the optimizer update act on the partitions, the fp32
+master is copied into the model-dtype partition, and the parameters that stay whole
+(persistent ones) are gathered again.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from dsplug.zero.partitioned_param import (ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of,
+                                           unique)
+
+from ..stage0 import _comm_dtype
+from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
+from .coordinator import ParamCoordinator
+from .reduce import GradientReducer
+
+
+class _Group:
+    """One optimizer param group's partitions: flat buffers and per-parameter views into them.
+
+    ``flat`` (model dtype) backs the parameters' ``ds_tensor``; ``master`` (fp32) is a separate copy
+    with master weights and ``flat`` itself otherwise; ``views`` are the master pieces the optimizer
+    steps; ``grad`` (the gradient accumulation dtype) holds the reduced gradient partitions."""
+
+    def __init__(self, params: List[torch.nn.Parameter], dtype, master: bool, device):
+        self.params = params
+        self.sizes = [p.ds_tensor.numel() for p in params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
+        self.flat = torch.empty(sum(self.sizes), dtype=dtype, device=device)
+        for p, offset, k in zip(params, self.offsets, self.sizes):
+            self.flat[offset:offset + k].copy_(p.ds_tensor)
+            p.ds_tensor = self.flat[offset:offset + k]
+        self.master = self.flat.to(torch.float32, copy=True) if master else self.flat
+        self.views = self._split(self.master)
+        self.grad: Optional[torch.Tensor] = None
+        self.grad_views: List[torch.Tensor] = []
+
+    def allocate_grads(self, dtype) -> None:
+        self.grad = torch.zeros(self.flat.numel(), dtype=dtype, device=self.flat.device)
+        self.grad_views = self._split(self.grad)
+
+    def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[o:o + k] for o, k in zip(self.offsets, self.sizes)]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.ds_numel for p in self.params)
+
+
+class PartitionedParamStage:
+    stage = 3
+
+    def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
+                 context):
+        _refuse_unsupported(zero_config)
+        kernel = context.config.kernel
+        self.module = module
+        self.precision = precision
+        self.context = context
+        self.comm = context.comm
+        self.rank, self.world_size = context.rank, context.world_size
+        self.zero_config = zero_config
+        self.clip = float(kernel.gradient_clipping or 0.0)
+        self.model_dtype = precision.model_dtype
+        self.accum_dtype = precision.grad_accum_dtype or precision.model_dtype
+        accelerator = context.accelerator
+        device = accelerator.device(context.local_rank if accelerator.name != "cpu" else None)
+        self.partitioner = ParamPartitioner(self.comm, self.rank, self.world_size, device)
+
+        named = list(module.named_parameters())
+        self.names: Dict[int, str] = {id(p): n for n, p in named}
+        self.all_params = [p for _, p in named]
+        self.partitioner.partition([p for p in self.all_params if not is_partitioned(p)], dtype=self.model_dtype)
+        for p in self.all_params:
+            self.partitioner.adopt(p, dtype=self.model_dtype)
+        _check_groups(param_groups, self.names)
+
+        self.groups = [_Group(g["params"], self.model_dtype, precision.master_weights,
+                              self.partitioner.partition_device) for g in param_groups]
+        self.optimizer = build_optimizer([{**g, "params": grp.views} for g, grp in zip(param_groups, self.groups)])
+        if self.optimizer is not None:  # (None: inference only)
+            _check_fresh(self.optimizer, self.groups)
+            for grp in self.groups:
+                grp.allocate_grads(self.accum_dtype)
+        self.place: Dict[int, tuple] = {id(p): (gi, i) for gi, grp in enumerate(self.groups)
+                                        for i, p in enumerate(grp.params)}
+
+        self.persistent = _persistent(self.all_params, zero_config.stage3_param_persistence_threshold,
+                                      zero_config.stage3_model_persistence_threshold)
+        self.partitioner.make_persistent(self.persistent)
+        self.partitioner.update_listeners.append(self._master_from_partitions)
+
+        self.coordinator = ParamCoordinator(
+            self.partitioner, module, prefetch_bucket_size=zero_config.stage3_prefetch_bucket_size,
+            max_live_parameters=zero_config.stage3_max_live_parameters,
+            max_reuse_distance=zero_config.stage3_max_reuse_distance,
+            granularity_threshold=zero_config.stage3_module_granularity_threshold,
+            log_trace_warnings=zero_config.log_trace_cache_warnings)
+        self.coordinator.install()
+        self.reducer = GradientReducer(
+            self.comm, self.rank, self.world_size, _comm_dtype(kernel, self.accum_dtype),
+            bucket_elements=zero_config.reduce_bucket_size, prescale=kernel.prescale_gradients,
+            predivide=kernel.gradient_predivide_factor, use_reduce_scatter=zero_config.reduce_scatter,
+            overlap=zero_config.overlap_comm, accumulate=self._accumulate)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.all_params
+                       if p.requires_grad]
+        self.last_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        grad, p.grad = p.grad, None
+        if grad is not None and id(p) in self.place and self.optimizer is not None:
+            self.reducer.add(p, grad)
+        self.coordinator.param_done(p)
+
+    def _accumulate(self, p, piece: torch.Tensor) -> None:
+        gi, i = self.place[id(p)]
+        self.groups[gi].grad_views[i].add_(piece)
+
+    def before_backward(self, is_boundary: bool) -> None:
+        """Gradients are reduce-scattered every micro-step (stage 3 keeps only partitions)."""
+        self.coordinator.in_backward = True
+
+    def after_backward(self) -> None:
+        self.reducer.finish()
+        self.coordinator.in_backward = False
+        self.coordinator.end_pass()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> bool:
+        """Apply one optimizer step; return False if an overflow skipped it."""
+        if self.optimizer is None:
+            raise RuntimeError("ZeRO stage 3: step() without an optimizer")
+        grads = self._master_grads()
+        scale = self.precision.loss_scale
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = self._global_norm(grads)
+        self.last_grad_norm = norm
+        overflow = self.precision.checks_overflow and not math.isfinite(norm)
+        if self.precision.loss_scaler is not None:
+            self.precision.loss_scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            return False
+        if self.clip > 0 and norm > self.clip:
+            torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
+        self.optimizer.step()
+        self._partitions_from_master()
+        self.zero_grad()
+        return True
+
+    def _master_grads(self) -> List[torch.Tensor]:
+        flats = []
+        for grp in self.groups:
+            flat = grp.grad if grp.grad.dtype == torch.float32 else grp.grad.float()
+            for view, offset, k in zip(grp.views, grp.offsets, grp.sizes):
+                view.grad = flat[offset:offset + k]
+            flats.append(flat)
+        return flats
+
+    def _global_norm(self, grads: List[torch.Tensor]) -> float:
+        device = self.partitioner.device
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            squares += torch.linalg.vector_norm(g, 2).to(device) ** 2
+        self.comm.all_reduce(squares)
+        return float(squares.sqrt())
+
+    def _partitions_from_master(self) -> None:
+        """Model-dtype partitions := fp32 master; whole parameters are gathered again."""
+        with torch.no_grad():
+            for grp in self.groups:
+                if grp.master is not grp.flat:
+                    grp.flat.copy_(grp.master)
+        self.coordinator.end_pass()
+        self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
+
+    def _master_from_partitions(self, params) -> None:
+        """Partitions were rewritten from full values (GatheredParameters with a modifier_rank)."""
+        with torch.no_grad():
+            for p in params:
+                where = self.place.get(id(p))
+                if where is not None:
+                    grp = self.groups[where[0]]
+                    if grp.master is not grp.flat:
+                        grp.views[where[1]].copy_(p.ds_tensor)
+
+    def zero_grad(self) -> None:
+        for p in self.all_params:
+            p.grad = None
+        for grp in self.groups:
+            for view in grp.views:
+                view.grad = None
+            if grp.grad is not None:
+                grp.grad.zero_()
+
+    # ------------------------------------------------------------------ memory
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes held by this rank's tensors now (what ``engine.model_state_memory()`` reports).
+
+        ``parameters``: the partitions; ``gathered_parameters``: full values present now (persistent
+        parameters, plus any gathered at the moment); ``gradients``: gradient partitions;
+        ``optimizer_states``: the fp32 master partitions (when separate from the parameters) and the
+        optimizer's state; ``buffers``: gradient buckets and all-gather buffers in flight;
+        ``total``: all but the buffers."""
+        partitions = [p.ds_tensor for p in self.all_params]
+        gathered = [p.data for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE]
+        grads = [grp.grad for grp in self.groups if grp.grad is not None]
+        grads += [p.grad for p in self.all_params if p.grad is not None]
+        optim = [grp.master for grp in self.groups if grp.master is not grp.flat]
+        if self.optimizer is not None:
+            optim += [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        in_flight = {id(p._ds_handle): p._ds_handle for p in self.all_params if p._ds_handle is not None}
+        buffers = [g for _, g in self.reducer.pending] + [m for _, m, _, _ in self.reducer.outstanding]
+        buffers += [h.recv for h in in_flight.values() if h.recv is not None]
+        report = {"parameters": _storage_bytes(partitions), "gathered_parameters": _storage_bytes(gathered),
+                  "gradients": _storage_bytes(grads), "optimizer_states": _storage_bytes(optim),
+                  "buffers": _storage_bytes(buffers)}
+        report["total"] = sum(v for k, v in report.items() if k != "buffers")
+        return report
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        """This rank's partitions in the ``per_param`` layout of docs/zero-stages.md."""
+        groups = []
+        for gi, grp in enumerate(self.groups):
+            opt_group = self.optimizer.param_groups[gi] if self.optimizer is not None else {}
+            groups.append({
+                "names": [self.names[id(p)] for p in grp.params],
+                "shapes": [torch.Size(p.ds_shape) for p in grp.params],
+                "numel": grp.numel,
+                "partition_numel": sum(grp.sizes),
+                "fp32": grp.master.detach().to(torch.float32),
+                "state": flatten_group_state(self.optimizer, grp.views) if self.optimizer is not None else {},
+                "hyper": {k: v for k, v in opt_group.items() if k != "params"},
+            })
+        return {"zero_stage": 3, "layout": "per_param", "world_size": self.world_size, "rank": self.rank,
+                "groups": groups}
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True, saved_world_size: Optional[int] = None,
+                        read_rank=None, **_unused) -> None:
+        """Restore partitions; a checkpoint of another world size (or layout) is re-sliced."""
+        check_partitioned(state)
+        own_names = [[self.names[id(p)] for p in grp.params] for grp in self.groups]
+        same_slicing = (state["layout"] == "per_param" and int(state["world_size"]) == self.world_size
+                        and int(state["rank"]) == self.rank and [g["names"] for g in state["groups"]] == own_names)
+        if same_slicing:
+            pieces = [self._own_pieces(grp, g) for grp, g in zip(self.groups, state["groups"])]
+        else:
+            saved = int(state["world_size"])
+            if read_rank is None and saved > 1:
+                raise CheckpointFormatError("re-slicing a partitioned checkpoint needs every rank's state (read_rank)")
+            ranks = [state if int(state["rank"]) == r else read_rank(r) for r in range(saved)]
+            for r, s in enumerate(ranks):
+                check_partitioned(s, f"rank {r}'s optimizer state file")
+            pieces = self._pieces_from_full(consolidate(ranks))
+        load_fp32 = bool(getattr(self.zero_config, "load_from_fp32_weights", True))
+        with torch.no_grad():
+            for gi, (grp, (fp32, per_view, hyper)) in enumerate(zip(self.groups, pieces)):
+                if grp.master is grp.flat or load_fp32:
+                    grp.master.copy_(fp32)
+                if grp.master is not grp.flat:
+                    if load_fp32:
+                        grp.flat.copy_(grp.master)
+                    else:
+                        grp.master.copy_(grp.flat)
+                if load_optimizer_states and self.optimizer is not None:
+                    for view, st in zip(grp.views, per_view):
+                        self.optimizer.state[view] = {k: (v.to(device=view.device, dtype=view.dtype)
+                                                          if torch.is_tensor(v) and v.dim() == 1 else
+                                                          (v.clone() if torch.is_tensor(v) else v))
+                                                      for k, v in st.items()}
+                    self.optimizer.param_groups[gi].update({k: v for k, v in hyper.items() if k != "params"})
+        self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
+
+    def _own_pieces(self, grp: _Group, saved: dict):
+        """(fp32 flat, [state of each view], hyper) from this rank's own saved group (same slicing)."""
+        if saved["fp32"].numel() != sum(grp.sizes):
+            raise CheckpointFormatError(f"the saved partition holds {saved['fp32'].numel()} elements, this rank owns "
+                                        f"{sum(grp.sizes)}")
+        numel = saved["partition_numel"]
+        elementwise = {k: v for k, v in saved["state"].items() if is_elementwise(v, numel)}
+        scalars = {k: v for k, v in saved["state"].items() if k not in elementwise}
+        per_view = []
+        for offset, k in zip(grp.offsets, grp.sizes):
+            st = {key: flat[offset:offset + k] for key, flat in elementwise.items()}
+            st.update(scalars)
+            per_view.append(st)
+        return saved["fp32"], per_view, saved.get("hyper", {})
+
+    def _pieces_from_full(self, full: Dict[str, dict]):
+        out = []
+        for grp in self.groups:
+            names = [self.names[id(p)] for p in grp.params]
+            missing = [n for n in names if n not in full]
+            if missing:
+                raise CheckpointFormatError(f"the checkpoint has no parameter named {', '.join(missing[:5])}"
+                                            f"{' ...' if len(missing) > 5 else ''} (it holds "
+                                            f"{', '.join(list(full)[:8])}{' ...' if len(full) > 8 else ''})")
+            fp32, per_view = [], []
+            for name, p in zip(names, grp.params):
+                entry = full[name]
+                if tuple(entry["fp32"].shape) != tuple(p.ds_shape):
+                    raise CheckpointFormatError(f"parameter {name}: the checkpoint holds shape "
+                                                f"{tuple(entry['fp32'].shape)}, the model {tuple(p.ds_shape)}")
+                fp32.append(piece_of(entry["fp32"], self.rank, self.world_size))
+                st = {k: piece_of(v, self.rank, self.world_size) for k, v in entry["state"].items()}
+                st.update(entry["scalars"])
+                per_view.append(st)
+            out.append((torch.cat(fp32) if fp32 else torch.zeros(0), per_view, full[names[0]]["hyper"]))
+        return out
+
+    # ------------------------------------------------------------------ module state
+    def module_state_dict(self) -> dict:
+        """The full module state dict (collective: every rank calls it, every rank gets it).
+
+        Parameters are gathered ``allgather_bucket_size`` elements at a time and copied out."""
+        entries = self.module.state_dict(keep_vars=True)
+        params = unique(v for v in entries.values() if is_partitioned(v))
+        full: Dict[int, torch.Tensor] = {}
+        limit = max(1, int(self.zero_config.allgather_bucket_size))
+        chunk, size = [], 0
+        for p in params + [None]:
+            if p is not None and (not chunk or size + p.ds_numel <= limit):
+                chunk.append(p)
+                size += p.ds_numel
+                continue
+            self.partitioner.hold(chunk, +1)
+            try:
+                self.partitioner.fetch(chunk)
+                for q in chunk:
+                    full[q.ds_id] = q.data.detach().clone()
+            finally:
+                self.partitioner.hold(chunk, -1)
+                self.partitioner.release(chunk)
+            chunk, size = ([p], p.ds_numel) if p is not None else ([], 0)
+        return {k: full[v.ds_id] if is_partitioned(v) else v.detach() for k, v in entries.items()}
+
+    def load_module_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Load a full module state dict: every rank keeps its slice (no communication)."""
+        entries = self.module.state_dict(keep_vars=True)
+        missing = [k for k in entries if k not in state]
+        unexpected = [k for k in state if k not in entries]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
+        others, done = {}, set()
+        with torch.no_grad():
+            for key, target in entries.items():
+                if key not in state:
+                    continue
+                if not is_partitioned(target):
+                    others[key] = state[key]
+                    continue
+                if target.ds_id in done:
+                    continue
+                done.add(target.ds_id)
+                value = state[key]
+                if tuple(value.shape) != tuple(target.ds_shape):
+                    raise RuntimeError(f"loading state_dict: {key} has shape {tuple(value.shape)} in the checkpoint "
+                                       f"and {tuple(target.ds_shape)} in the model")
+                piece = piece_of(value.to(target.ds_tensor.device), self.rank, self.world_size)
+                target.ds_tensor.copy_(piece)
+                if target.ds_status is ZeroParamStatus.AVAILABLE:
+                    target.data.copy_(value)
+                where = self.place.get(id(target))
+                if where is not None:
+                    self.groups[where[0]].views[where[1]].copy_(piece)
+        if others:
+            self.module.load_state_dict(others, strict=False)
+
+    def refresh_master_from_model(self) -> None:
+        with torch.no_grad():
+            for grp in self.groups:
+                if grp.master is not grp.flat:
+                    grp.master.copy_(grp.flat)
+
+    def close(self) -> None:
+        self.coordinator.remove()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen, size = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if t.numel() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            size += storage.nbytes()
+    return size
+
+
+def _refuse_unsupported(zero_config) -> None:
+    for key in ("offload_param", "offload_optimizer"):
+        device = getattr(zero_config, key).device
+        if device != "none":
+            raise NotImplementedError(
+                f"zero_optimization.{key}.device={device!r}: offloading is not implemented by the ZeRO stage 3 "
+                f"plugin yet; set it to \"none\"")
+
+
+def _check_groups(param_groups, names: Dict[int, str]) -> None:
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param group {gi} holds a parameter (shape {tuple(p.shape)}) that is not a "
+                                 "parameter of the model; ZeRO stage 3 partitions only the model's own parameters")
+
+
+def _check_fresh(optimizer, groups) -> None:
+    own = {id(v) for grp in groups for v in grp.views}
+    if any(id(k) not in own for k in optimizer.state):
+        raise ValueError("the client optimizer already has state for the full parameters; at ZeRO stage 3 pass a "
+                         "fresh optimizer (or a callable that builds one from the param groups)")
+
+
+def _persistent(params, threshold: int, model_threshold: int) -> List[torch.nn.Parameter]:
+    """Parameters of at most ``threshold`` elements stay whole, up to ``model_threshold`` in total."""
+    chosen, total = [], 0
+    for p in params:
+        if p.ds_numel <= threshold and total + p.ds_numel <= model_threshold:
+            chosen.append(p)
+            total += p.ds_numel
+    return chosen
