@@ -35,6 +35,7 @@ from dsplug.zero_to_fp32 import merge_partitions
 
 from .optimizer_check import check_elementwise
 from .partition import FlatGroup, gather_partitions, round_robin_order
+from .gradients import unscale_check_clip
 from .reducer import GradientReducer
 from .stage0 import _comm_dtype
 
@@ -185,19 +186,10 @@ class PartitionedStage:
             for chunk, view in zip(self.chunks[gi], _chunk_views(grad)):
                 chunk.grad = view
             grads.append(grad)
-        scale = self.precision.loss_scale
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        norm = self._global_norm(grads)
-        self.last_grad_norm = norm
-        overflow = self.precision.checks_overflow and not math.isfinite(norm)
-        if self.precision.loss_scaler is not None:
-            self.precision.loss_scaler.update(overflow)
-        if overflow:
+        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, self._global_norm)
+        if not apply:
             self.zero_grad()
             return False
-        if self.clip > 0 and norm > self.clip:
-            torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
         self.optimizer.step()
         with torch.no_grad():
             if self.precision.master_weights:

@@ -12,12 +12,12 @@ which are copied back into the (possibly 16-bit) model parameters.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional
 
 import torch
 
 from .buckets import GradientBuckets
+from .gradients import unscale_check_clip
 
 
 class DataParallelStage:
@@ -91,21 +91,12 @@ class DataParallelStage:
     def step(self) -> bool:
         """Apply one optimizer step; return False if an overflow skipped it."""
         grads = self._master_grads()
-        scale = self.precision.loss_scale
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
         # the norm costs a pass over every gradient: only when clipping or overflow checks need it
-        needs_norm = self.clip > 0 or self.precision.checks_overflow
-        norm = _global_norm(grads) if needs_norm else None
-        self.last_grad_norm = norm
-        overflow = self.precision.checks_overflow and not math.isfinite(norm)
-        if self.precision.loss_scaler is not None:
-            self.precision.loss_scaler.update(overflow)
-        if overflow:
+        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, _global_norm,
+                                                        norm_always=False)
+        if not apply:
             self.zero_grad()
             return False
-        if norm is not None and self.clip > 0 and norm > self.clip:
-            torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
         self.optimizer.step()
         if self.master:
             with torch.no_grad():
