@@ -6,6 +6,7 @@ Same flags as the ``deepspeed`` launcher for what it supports; processes are sta
 from __future__ import annotations
 
 import argparse
+from dsplug.cli.argtypes import positive_int
 
 _EPILOG = """\
 examples:
@@ -18,16 +19,6 @@ hostfile lines: '<hostname> slots=<N>'; default hostfile: /job/hostfile (absent:
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "launch",
@@ -37,11 +28,11 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     count = p.add_mutually_exclusive_group()
-    count.add_argument("--num_gpus", "--num_accelerators", type=_positive, default=None, metavar="N",
+    count.add_argument("--num_gpus", "--num_accelerators", type=positive_int, default=None, metavar="N",
                        help="processes per node, using devices 0..N-1 (on CPU: N processes)")
-    count.add_argument("--num_procs", type=_positive, default=None, metavar="N",
+    count.add_argument("--num_procs", type=positive_int, default=None, metavar="N",
                        help="processes per node; the CPU spelling of --num_gpus")
-    p.add_argument("--num_nodes", type=_positive, default=None, metavar="K",
+    p.add_argument("--num_nodes", type=positive_int, default=None, metavar="K",
                    help="use the first K hosts of the hostfile")
     p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
                    help="hostfile ('<host> slots=<N>' lines); default /job/hostfile if it exists")

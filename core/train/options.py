@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from typing import List
+from dsplug.cli.argtypes import positive_int, non_negative_int
 
 DEFAULT_STEPS = 400
 DEFAULT_SAVE_INTERVAL = 100
@@ -39,32 +40,12 @@ examples:
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                         help="DeepSpeed-format JSON config (default: the built-in default_config.json)")
-    parser.add_argument("--nproc", type=_positive, default=1, metavar="N",
+    parser.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                         help="train on N processes on this machine, started through the dsplug launcher")
-    parser.add_argument("--steps", type=_positive, default=None, metavar="S",
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="S",
                         help=f"train until optimizer step S (default {DEFAULT_STEPS}; with --resume: the resumed "
                              f"run's own, so an interrupted run finishes where it meant to)")
     parser.add_argument("--output-dir", default=None, metavar="DIR",
@@ -74,21 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="continue from the latest checkpoint in the output directory")
     parser.add_argument("--seed", type=int, default=None, metavar="K",
                         help="seed of the model's initial weights and of the data order (overrides the config's seed)")
-    parser.add_argument("--save-interval", type=_positive, default=DEFAULT_SAVE_INTERVAL, metavar="N",
+    parser.add_argument("--save-interval", type=positive_int, default=DEFAULT_SAVE_INTERVAL, metavar="N",
                         help=f"save a checkpoint every N steps (and always at the end; default {DEFAULT_SAVE_INTERVAL})")
     model = parser.add_argument_group("model (on --resume: taken from the checkpoint)")
     for flag, dest, default, text in MODEL_OPTIONS:
-        model.add_argument(flag, dest=dest, type=_positive, default=None, metavar="N",
+        model.add_argument(flag, dest=dest, type=positive_int, default=None, metavar="N",
                            help=f"{text} (default {default})")
-    parser.add_argument("--threads", type=_positive, default=None, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="CPU threads per process for torch's operators (default: 1 on CPU, unless "
                              "OMP_NUM_THREADS is set: the model is small, so more threads gain little, and "
                              "they lose a lot when other work shares the cores)")
     parser.add_argument("--text", default=None, metavar="FILE",
                         help="train on this UTF-8 text file instead of the built-in corpus")
-    parser.add_argument("--sample-chars", type=_non_negative, default=DEFAULT_SAMPLE_CHARS, metavar="N",
+    parser.add_argument("--sample-chars", type=non_negative_int, default=DEFAULT_SAMPLE_CHARS, metavar="N",
                         help=f"characters of greedy sample printed at the end (0: none; default {DEFAULT_SAMPLE_CHARS})")
-    parser.add_argument("--master-port", type=_positive, default=None, metavar="PORT",
+    parser.add_argument("--master-port", type=positive_int, default=None, metavar="PORT",
                         help="rendezvous port with --nproc (default: a free port)")
     # the launcher's shim hands each worker --local_rank=<n>; the rank is read from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
