@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import traceback
 
 import torch
 
-from .conftest import free_port
+from .conftest import REPO, free_port
 
 
 def _child(fn, rank, world_size, port, out_path, args):
@@ -35,6 +36,9 @@ def _child(fn, rank, world_size, port, out_path, args):
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
     ctx = mp.get_context("spawn")
+    # children unpickle ``fn`` from the ``tests`` package: make sure its root is on the path they copy
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
