@@ -491,8 +491,8 @@ def test_unimplemented_keys_are_config_errors():
 
     with pytest.raises(ConfigError, match=r"zero_optimization\.legacy_stage1: DeepSpeed's legacy stage 1"):
         DsplugConfig({"train_batch_size": 2, "zero_optimization": {"stage": 1, "legacy_stage1": True}}, world_size=1)
-    with pytest.raises(ConfigError, match=r"offload_optimizer"):
-        DsplugConfig({"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    with pytest.raises(ConfigError, match=r"offload_optimizer.device: 'nvme' needs ZeRO stage 3"):
+        DsplugConfig({"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
                      world_size=1)
 
 

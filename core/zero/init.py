@@ -138,14 +138,18 @@ class Init(contextlib.ContextDecorator):
         from ..accelerator import get_accelerator
 
         accelerator = get_accelerator()
-        if device_name not in (None, "none", accelerator.name, str(accelerator.device())):
-            _unsupported("remote_device", device_name, "offloading parameters is a separate plugin")
+        # "cpu" / "nvme" (the offload_param devices): partitions are made in host memory; the engine's
+        # offload plugin then keeps them there or moves them into its swap files
+        host = device_name in ("cpu", "nvme")
+        if not host and device_name not in (None, "none", accelerator.name, str(accelerator.device())):
+            _unsupported("remote_device", device_name, "valid: none, cpu, nvme or the accelerator's device")
         comm.init_distributed(verbose=False)
         self.dtype = dtype or _dtype_from_config(raw)
         self.mem_efficient_linear = mem_efficient_linear
         self.pin_memory = pin_memory
         device = accelerator.device(comm.get_local_rank() if accelerator.name != "cpu" else None)
-        self.partitioner = ParamPartitioner(comm, comm.get_rank(), comm.get_world_size(), device)
+        self.partitioner = ParamPartitioner(comm, comm.get_rank(), comm.get_world_size(), device,
+                                            partition_device="cpu" if host else None)
         if module is not None:
             self.partition_module(module)
 

@@ -19,7 +19,9 @@ an (N, K) matrix whose column blocks are the parameters.
 
 The seam for offloading (ZeRO-Infinity, a separate plugin): the partition lives on
 ``partition_device`` and is brought to the compute device by :meth:`ParamPartitioner.local_piece`
-just before it is sent; everything else only touches ``ds_tensor`` through this class.
+just before it is sent; its values are read with :meth:`~ParamPartitioner.read_piece` and
+rewritten with :meth:`~ParamPartitioner.store_piece`, which an offload plugin's subclass
+overrides (with ``gather_async``) when partitions live in files.
 """
 from __future__ import annotations
 
@@ -194,6 +196,15 @@ class ParamPartitioner:
         piece = p.ds_tensor
         return piece if piece.device == self.device else piece.to(self.device, non_blocking=True)
 
+    def read_piece(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's partition of ``p`` (its values; an offload plugin may read it from storage)."""
+        return p.ds_tensor
+
+    def store_piece(self, p: torch.nn.Parameter, piece: torch.Tensor) -> None:
+        """Overwrite this rank's partition of ``p`` with ``piece`` (the offload seam for writes)."""
+        with torch.no_grad():
+            p.ds_tensor.copy_(piece)
+
     def gather_async(self, params: Iterable[torch.nn.Parameter]) -> List[GatherHandle]:
         """Start all-gathers for the parameters that are NOT_AVAILABLE (one per dtype)."""
         todo = [p for p in unique(params) if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
@@ -267,7 +278,7 @@ class ParamPartitioner:
         params = [p for p in unique(params) if p.ds_status is ZeroParamStatus.AVAILABLE]
         with torch.no_grad():
             for p in params:
-                p.ds_tensor.copy_(piece_of(p.data, self.rank, self.world_size))
+                self.store_piece(p, piece_of(p.data, self.rank, self.world_size))
         for listener in self.update_listeners:
             listener(params)
 

@@ -38,6 +38,9 @@ TORCH_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "N
 #: dsplug's own and third-party element-wise optimizers, by qualified class name
 KNOWN_ELEMENTWISE = {
     "dsplug.plugins.optimizers.adam_optimizer.FusedAdam",
+    "dsplug.ops.adam.cpu_adam.DeepSpeedCPUAdam",
+    "dsplug.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad",
+    "dsplug.ops.lion.cpu_lion.DeepSpeedCPULion",
     "dsplug_lion.lion.Lion",
 }
 

@@ -76,14 +76,22 @@ class PartitionedStage:
                                          precision.model_dtype, params[0].device))
         self.params = [p for g in self.groups for p in g.params]
 
-        if precision.master_weights:
+        #: offload_optimizer: the offload plugin's host-side master (None: the master stays here)
+        self.offload = _offload_master(zero_config, context, stage)
+        if self.offload is not None:
+            self.opt_params = [self.offload.master_of(g.local) for g in self.groups]
+        elif precision.master_weights:
             self.opt_params = [g.local.detach().to(torch.float32).clone() for g in self.groups]
         else:
             self.opt_params = [g.local for g in self.groups]  # the optimizer steps the buffer itself
+        #: the optimizer steps a copy of the partition (not the model's buffer itself)
+        self.separate_master = self.offload is not None or precision.master_weights
         # the optimizer sees each partition as views of at most OPTIMIZER_CHUNK elements
         self.chunks = [_chunk_views(t) for t in self.opt_params]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
-        self.optimizer = build_optimizer([{**h, "params": c} for h, c in zip(hyper, self.chunks)])
+        build = self.offload.build_optimizer if self.offload is not None else \
+            (lambda groups, builder: builder(groups))
+        self.optimizer = build([{**h, "params": c} for h, c in zip(hyper, self.chunks)], build_optimizer)
         if self.optimizer is not None:
             check_elementwise(self.optimizer, stage, bool(kernel_config.zero_allow_untested_optimizer))
 
@@ -182,7 +190,10 @@ class PartitionedStage:
             part = self.partition_grads[gi] if self._accumulating else None  # None: no backward since the last step
             if part is None:
                 part = torch.zeros(group.partition_numel, dtype=self.accum_dtype, device=target.device)
-            grad = part if part.dtype == target.dtype else part.to(target.dtype)
+            if self.offload is not None:
+                grad = self.offload.host_grad(gi, part)
+            else:
+                grad = part if part.dtype == target.dtype else part.to(target.dtype)
             for chunk, view in zip(self.chunks[gi], _chunk_views(grad)):
                 chunk.grad = view
             grads.append(grad)
@@ -190,9 +201,13 @@ class PartitionedStage:
         if not apply:
             self.zero_grad()
             return False
-        self.optimizer.step()
+        if self.offload is not None:  # the CPU step may also write 16-bit host partitions itself
+            written = self.offload.step(self.optimizer, [_chunk_views(g.local) for g in self.groups])
+        else:
+            self.optimizer.step()
+            written = False
         with torch.no_grad():
-            if self.precision.master_weights:
+            if self.separate_master and not written:
                 for group, master in zip(self.groups, self.opt_params):
                     group.local.copy_(master)
             if self.world_size > 1:
@@ -203,7 +218,7 @@ class PartitionedStage:
     def _global_norm(self, grads: List[torch.Tensor]) -> float:
         local = sum(float(torch.linalg.vector_norm(g, 2, dtype=torch.float32)) ** 2 for g in grads)
         if self.world_size > 1:
-            total = torch.tensor([local], dtype=torch.float64, device=grads[0].device)
+            total = torch.tensor([local], dtype=torch.float64, device=self.groups[0].buffer.device)
             self.comm.all_reduce(total)
             local = float(total)
         return math.sqrt(local) if math.isfinite(local) else float("nan") if math.isnan(local) else float("inf")
@@ -270,7 +285,7 @@ class PartitionedStage:
             for group, target, (fp32, _, _, _) in zip(self.groups, self.opt_params, slices):
                 if self.load_from_fp32_weights:
                     target.copy_(fp32)
-                    if self.precision.master_weights:
+                    if self.separate_master:
                         group.local.copy_(target)
                 else:
                     target.copy_(group.local)  # master := the module's (possibly 16-bit) weights
@@ -326,7 +341,7 @@ class PartitionedStage:
         self.module.load_state_dict(state, strict=strict)
 
     def refresh_master_from_model(self) -> None:
-        if self.precision.master_weights:
+        if self.separate_master:
             with torch.no_grad():
                 for group, master in zip(self.groups, self.opt_params):
                     master.copy_(group.local)
@@ -343,7 +358,7 @@ class PartitionedStage:
         params += sum(_nbytes(p) for p in self.module.parameters() if p not in self._trainable)  # frozen
         grads = sum(_nbytes(t) for t in self.partition_grads)
         grads += sum(_nbytes(p.grad) for p in self.params) + sum(_nbytes(t) for t in self.accumulators.values())
-        optim = sum(_nbytes(t) for t in self.opt_params) if self.precision.master_weights else 0
+        optim = sum(_nbytes(t) for t in self.opt_params) if self.separate_master else 0
         for chunk in (c for chunks in self.chunks for c in chunks):
             optim += sum(_nbytes(v) for v in self.optimizer.state.get(chunk, {}).values()
                          if isinstance(v, torch.Tensor))
@@ -382,13 +397,18 @@ def _check_groups(param_groups: List[dict], names: dict, stage: int) -> None:
             seen[p] = gi
 
 
+def _offload_master(zero_config, context, stage: int):
+    """``offload_optimizer``: the offload_device plugin's object for stages 1/2 (None: not offloaded)."""
+    section = getattr(zero_config, "offload_optimizer", None)
+    if section is None or section.device in (None, "none"):
+        return None
+    provided = context.registry.get("offload_device", section.device, what="zero_optimization.offload_optimizer.device")
+    return provided.spec.factory(section, context).zero12_master(stage, zero_config, context)
+
+
 def _refuse_unimplemented(zero_config, stage: int) -> None:
     if zero_config is None:
         return
-    device = getattr(getattr(zero_config, "offload_optimizer", None), "device", "none")
-    if device not in (None, "none"):
-        raise ValueError(f"zero_optimization.offload_optimizer.device={device!r}: ZeRO-Offload is not implemented "
-                         f"by dsplug's stage {stage} yet; set it to 'none'")
     if getattr(zero_config, "legacy_stage1", False):
         raise ValueError("zero_optimization.legacy_stage1=true: DeepSpeed's legacy stage 1 is not available in "
                          "dsplug; remove the key (stage 1 here is the current implementation)")

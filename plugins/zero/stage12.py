@@ -16,7 +16,7 @@ What the ``zero_optimization`` keys do here:
 * ``round_robin_gradients``: flatten each group's parameters in round-robin order so consecutive
   layers belong to different ranks and each backward pass's reductions go to every rank in turn
   (DeepSpeed's use, spreading gradient copies to the CPU with ZeRO-Offload, does not arise: dsplug's
-  stages 1/2 do not offload). Results are unchanged.
+  offload copies each group's reduced partition to the host at the step). Results are unchanged.
 * ``allgather_partitions`` / top-level ``disable_allgather``: updated partitions are all-gathered
   ``allgather_bucket_size`` elements at a time, or (allgather_partitions=false or
   disable_allgather=true) broadcast from their owners in pieces of the same size.
@@ -25,7 +25,10 @@ What the ``zero_optimization`` keys do here:
 * ``ignore_unused_parameters`` (default true): a parameter without a gradient counts as zeros;
   false: it is an error naming the parameters.
 * ``elastic_checkpoint``: checkpoints are always loadable at another world size here.
-* ``offload_optimizer`` and ``legacy_stage1`` are refused (not implemented).
+* ``offload_optimizer.device: cpu``: the fp32 master partitions, the optimizer state and the step live on
+  the CPU (the offload plugin's ``HostMaster``, ``plugins/offload/zero12.py``; ``nvme`` and ``ratio`` < 1
+  are stage-3 features, refused by that plugin's config rules).
+* ``legacy_stage1`` is refused (not implemented).
 
 The optimizer must be element-wise (see :mod:`.optimizer_check`).
 """
@@ -53,11 +56,6 @@ def stage12_not_implemented(config, report) -> None:
     if zero.legacy_stage1:
         report.error("zero_optimization.legacy_stage1", "DeepSpeed's legacy stage 1 is not available in dsplug; "
                      "remove the key (stage 1 here is the current implementation)")
-    device = zero.offload_optimizer.device
-    if device != "none":
-        report.error("zero_optimization.offload_optimizer.device",
-                     f"{device!r}: dsplug's ZeRO stage {zero.stage} does not implement optimizer offload yet; "
-                     "use 'none'")
 
 
 @hookimpl

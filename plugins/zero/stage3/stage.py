@@ -16,10 +16,15 @@ Step: the gradient partitions are unscaled (fp16), the global norm is one all-re
 partitions' squared norms, clipping and the optimizer update act on the partitions, the fp32
 master is copied into the model-dtype partition, and the parameters that stay whole
 (persistent ones) are gathered again.
+
+Offloading (``offload_param`` / ``offload_optimizer``): the ``offload_device`` plugins the config
+names supply the :class:`ParamPartitioner` and the partition store that replaces
+:class:`InMemoryPartitions` (where masters and optimizer state live, and the step); see
+docs/offload.md.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 from typing import Dict, List, Optional
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from dsplug.zero.partitioned_param import (ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of,
                                            unique)
 
+from ..gradients import unscale_check_clip
 from ..stage0 import _comm_dtype
 from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
 from .coordinator import ParamCoordinator
@@ -38,7 +44,10 @@ class _Group:
 
     ``flat`` (model dtype) backs the parameters' ``ds_tensor``; ``master`` (fp32) is a separate copy
     with master weights and ``flat`` itself otherwise; ``views`` are the master pieces the optimizer
-    steps; ``grad`` (the gradient accumulation dtype) holds the reduced gradient partitions."""
+    steps; ``grad`` (the gradient accumulation dtype) holds the reduced gradient partitions.
+
+    The methods below are what the stage asks of a group; an offload plugin's groups
+    (``offload_optimizer`` / ``offload_param``) answer the same questions with their own storage."""
 
     def __init__(self, params: List[torch.nn.Parameter], dtype, master: bool, device):
         self.params = params
@@ -64,13 +73,93 @@ class _Group:
     def numel(self) -> int:
         return sum(p.ds_numel for p in self.params)
 
+    def attach_grads(self) -> List[torch.Tensor]:
+        """Give every view its fp32 gradient; returns the tensors to unscale / measure / clip."""
+        flat = self.grad if self.grad.dtype == torch.float32 else self.grad.float()
+        for view, offset, k in zip(self.views, self.offsets, self.sizes):
+            view.grad = flat[offset:offset + k]
+        return [flat]
+
+    def zero_grad(self) -> None:
+        for view in self.views:
+            view.grad = None
+        if self.grad is not None:
+            self.grad.zero_()
+
+    def update_partitions(self) -> None:
+        """Model-dtype partitions := fp32 master (after a step)."""
+        if self.master is not self.flat:
+            self.flat.copy_(self.master)
+
+    def master_fp32(self) -> torch.Tensor:
+        return self.master.detach().to(torch.float32)
+
+    def load_master(self, fp32: torch.Tensor, from_fp32: bool) -> None:
+        """Master (and partitions) from a checkpoint's fp32 partition; ``from_fp32=False``: the master
+        follows the model-dtype partitions instead (``load_from_fp32_weights: false``)."""
+        if self.master is self.flat or from_fp32:
+            self.master.copy_(fp32)
+        if self.master is not self.flat:
+            if from_fp32:
+                self.flat.copy_(self.master)
+            else:
+                self.master.copy_(self.flat)
+
+    def set_master_piece(self, i: int, piece: torch.Tensor) -> None:
+        """Parameter ``i``'s partition was rewritten with ``piece``: the master follows."""
+        if self.master is not self.flat:
+            self.views[i].copy_(piece)
+
+    def master_from_partitions(self) -> None:
+        if self.master is not self.flat:
+            self.master.copy_(self.flat)
+
+    def memory_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        return {"optimizer_states": [self.master] if self.master is not self.flat else []}
+
+
+class InMemoryPartitions:
+    """Where stage 3 keeps partitions, master weights and optimizer state without offloading:
+    everything in flat buffers on the partition device, stepped by one optimizer.
+
+    The interface (``groups``, ``build_optimizer``, ``step``, ``materialized``, ``memory``,
+    ``close``) is the seam an ``offload_device`` plugin fills with its own storage."""
+
+    def __init__(self, param_groups: List[dict], model_dtype, master_weights: bool, partitioner):
+        self.groups = [_Group(g["params"], model_dtype, master_weights, partitioner.partition_device)
+                       for g in param_groups]
+
+    def build_optimizer(self, param_groups: List[dict], build_optimizer):
+        return build_optimizer([{**g, "params": grp.views} for g, grp in zip(param_groups, self.groups)])
+
+    def step(self, optimizer) -> None:
+        """The optimizer update, then the model-dtype partitions from the master."""
+        optimizer.step()
+        with torch.no_grad():
+            for grp in self.groups:
+                grp.update_partitions()
+
+    @contextlib.contextmanager
+    def materialized(self, write: bool = False):
+        """Views and optimizer state are resident (checkpoint save / load may read and replace them)."""
+        yield
+
+    def memory(self, optimizer, params) -> Dict[str, List[torch.Tensor]]:
+        """Tensors held now: ``parameters`` (the partitions of ``params``) and ``optimizer_states``."""
+        optim = [t for grp in self.groups for t in grp.memory_tensors()["optimizer_states"]]
+        if optimizer is not None:
+            optim += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return {"parameters": [p.ds_tensor for p in params], "optimizer_states": optim}
+
+    def close(self) -> None:
+        pass
+
 
 class PartitionedParamStage:
     stage = 3
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
                  context):
-        _refuse_unsupported(zero_config)
         kernel = context.config.kernel
         self.module = module
         self.precision = precision
@@ -83,7 +172,13 @@ class PartitionedParamStage:
         self.accum_dtype = precision.grad_accum_dtype or precision.model_dtype
         accelerator = context.accelerator
         device = accelerator.device(context.local_rank if accelerator.name != "cpu" else None)
-        self.partitioner = ParamPartitioner(self.comm, self.rank, self.world_size, device)
+        #: offload_device plugins' objects for "offload_param" / "offload_optimizer" (absent: not offloaded)
+        self.offload = _offload_devices(zero_config, context)
+        if "offload_param" in self.offload:
+            self.partitioner = self.offload["offload_param"].zero3_partitioner(self.comm, self.rank, self.world_size,
+                                                                               device)
+        else:
+            self.partitioner = ParamPartitioner(self.comm, self.rank, self.world_size, device)
 
         named = list(module.named_parameters())
         self.names: Dict[int, str] = {id(p): n for n, p in named}
@@ -93,9 +188,15 @@ class PartitionedParamStage:
             self.partitioner.adopt(p, dtype=self.model_dtype)
         _check_groups(param_groups, self.names)
 
-        self.groups = [_Group(g["params"], self.model_dtype, precision.master_weights,
-                              self.partitioner.partition_device) for g in param_groups]
-        self.optimizer = build_optimizer([{**g, "params": grp.views} for g, grp in zip(param_groups, self.groups)])
+        if self.offload:  # the optimizer's offload device decides where masters and states live
+            owner = self.offload.get("offload_optimizer") or self.offload["offload_param"]
+            self.store = owner.zero3_partitions(param_groups, self.model_dtype, precision.master_weights,
+                                                self.partitioner, zero_config, context, self.offload)
+        else:
+            self.store = InMemoryPartitions(param_groups, self.model_dtype, precision.master_weights,
+                                            self.partitioner)
+        self.groups = self.store.groups
+        self.optimizer = self.store.build_optimizer(param_groups, build_optimizer)
         if self.optimizer is not None:  # (None: inference only)
             _check_fresh(self.optimizer, self.groups)
             for grp in self.groups:
@@ -150,32 +251,17 @@ class PartitionedParamStage:
         if self.optimizer is None:
             raise RuntimeError("ZeRO stage 3: step() without an optimizer")
         grads = self._master_grads()
-        scale = self.precision.loss_scale
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        norm = self._global_norm(grads)
-        self.last_grad_norm = norm
-        overflow = self.precision.checks_overflow and not math.isfinite(norm)
-        if self.precision.loss_scaler is not None:
-            self.precision.loss_scaler.update(overflow)
-        if overflow:
+        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, self._global_norm)
+        if not apply:
             self.zero_grad()
             return False
-        if self.clip > 0 and norm > self.clip:
-            torch._foreach_mul_(grads, self.clip / (norm + 1e-6))
-        self.optimizer.step()
+        self.store.step(self.optimizer)
         self._partitions_from_master()
         self.zero_grad()
         return True
 
     def _master_grads(self) -> List[torch.Tensor]:
-        flats = []
-        for grp in self.groups:
-            flat = grp.grad if grp.grad.dtype == torch.float32 else grp.grad.float()
-            for view, offset, k in zip(grp.views, grp.offsets, grp.sizes):
-                view.grad = flat[offset:offset + k]
-            flats.append(flat)
-        return flats
+        return [g for grp in self.groups for g in grp.attach_grads()]
 
     def _global_norm(self, grads: List[torch.Tensor]) -> float:
         device = self.partitioner.device
@@ -186,32 +272,23 @@ class PartitionedParamStage:
         return float(squares.sqrt())
 
     def _partitions_from_master(self) -> None:
-        """Model-dtype partitions := fp32 master; whole parameters are gathered again."""
-        with torch.no_grad():
-            for grp in self.groups:
-                if grp.master is not grp.flat:
-                    grp.flat.copy_(grp.master)
+        """After the update (the store wrote the model-dtype partitions): whole parameters are gathered again."""
         self.coordinator.end_pass()
         self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
 
     def _master_from_partitions(self, params) -> None:
         """Partitions were rewritten from full values (GatheredParameters with a modifier_rank)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.store.materialized(write=True):
             for p in params:
                 where = self.place.get(id(p))
                 if where is not None:
-                    grp = self.groups[where[0]]
-                    if grp.master is not grp.flat:
-                        grp.views[where[1]].copy_(p.ds_tensor)
+                    self.groups[where[0]].set_master_piece(where[1], self.partitioner.read_piece(p))
 
     def zero_grad(self) -> None:
         for p in self.all_params:
             p.grad = None
         for grp in self.groups:
-            for view in grp.views:
-                view.grad = None
-            if grp.grad is not None:
-                grp.grad.zero_()
+            grp.zero_grad()
 
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> Dict[str, int]:
@@ -222,13 +299,12 @@ class PartitionedParamStage:
         ``optimizer_states``: the fp32 master partitions (when separate from the parameters) and the
         optimizer's state; ``buffers``: gradient buckets and all-gather buffers in flight;
         ``total``: all but the buffers."""
-        partitions = [p.ds_tensor for p in self.all_params]
+        held = self.store.memory(self.optimizer, self.all_params)
+        partitions = held["parameters"]
         gathered = [p.data for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE]
         grads = [grp.grad for grp in self.groups if grp.grad is not None]
         grads += [p.grad for p in self.all_params if p.grad is not None]
-        optim = [grp.master for grp in self.groups if grp.master is not grp.flat]
-        if self.optimizer is not None:
-            optim += [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        optim = held["optimizer_states"]
         in_flight = {id(p._ds_handle): p._ds_handle for p in self.all_params if p._ds_handle is not None}
         buffers = [g for _, g in self.reducer.pending] + [m for _, m, _, _ in self.reducer.outstanding]
         buffers += [h.recv for h in in_flight.values() if h.recv is not None]
@@ -242,17 +318,18 @@ class PartitionedParamStage:
     def state_dict(self) -> dict:
         """This rank's partitions in the ``per_param`` layout of docs/zero-stages.md."""
         groups = []
-        for gi, grp in enumerate(self.groups):
-            opt_group = self.optimizer.param_groups[gi] if self.optimizer is not None else {}
-            groups.append({
-                "names": [self.names[id(p)] for p in grp.params],
-                "shapes": [torch.Size(p.ds_shape) for p in grp.params],
-                "numel": grp.numel,
-                "partition_numel": sum(grp.sizes),
-                "fp32": grp.master.detach().to(torch.float32),
-                "state": flatten_group_state(self.optimizer, grp.views) if self.optimizer is not None else {},
-                "hyper": {k: v for k, v in opt_group.items() if k != "params"},
-            })
+        with self.store.materialized():
+            for gi, grp in enumerate(self.groups):
+                opt_group = self.optimizer.param_groups[gi] if self.optimizer is not None else {}
+                groups.append({
+                    "names": [self.names[id(p)] for p in grp.params],
+                    "shapes": [torch.Size(p.ds_shape) for p in grp.params],
+                    "numel": grp.numel,
+                    "partition_numel": sum(grp.sizes),
+                    "fp32": grp.master_fp32(),
+                    "state": flatten_group_state(self.optimizer, grp.views) if self.optimizer is not None else {},
+                    "hyper": {k: v for k, v in opt_group.items() if k != "params"},
+                })
         return {"zero_stage": 3, "layout": "per_param", "world_size": self.world_size, "rank": self.rank,
                 "groups": groups}
 
@@ -274,15 +351,9 @@ class PartitionedParamStage:
                 check_partitioned(s, f"rank {r}'s optimizer state file")
             pieces = self._pieces_from_full(consolidate(ranks))
         load_fp32 = bool(getattr(self.zero_config, "load_from_fp32_weights", True))
-        with torch.no_grad():
+        with torch.no_grad(), self.store.materialized(write=True):
             for gi, (grp, (fp32, per_view, hyper)) in enumerate(zip(self.groups, pieces)):
-                if grp.master is grp.flat or load_fp32:
-                    grp.master.copy_(fp32)
-                if grp.master is not grp.flat:
-                    if load_fp32:
-                        grp.flat.copy_(grp.master)
-                    else:
-                        grp.master.copy_(grp.flat)
+                grp.load_master(fp32, load_fp32)
                 if load_optimizer_states and self.optimizer is not None:
                     for view, st in zip(grp.views, per_view):
                         self.optimizer.state[view] = {k: (v.to(device=view.device, dtype=view.dtype)
@@ -364,7 +435,7 @@ class PartitionedParamStage:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
                                f"missing keys {missing}, unexpected keys {unexpected}")
         others, done = {}, set()
-        with torch.no_grad():
+        with torch.no_grad(), self.store.materialized(write=True):
             for key, target in entries.items():
                 if key not in state:
                     continue
@@ -378,27 +449,28 @@ class PartitionedParamStage:
                 if tuple(value.shape) != tuple(target.ds_shape):
                     raise RuntimeError(f"loading state_dict: {key} has shape {tuple(value.shape)} in the checkpoint "
                                        f"and {tuple(target.ds_shape)} in the model")
-                piece = piece_of(value.to(target.ds_tensor.device), self.rank, self.world_size)
-                target.ds_tensor.copy_(piece)
+                piece = piece_of(value.to(self.partitioner.partition_device), self.rank, self.world_size)
+                self.partitioner.store_piece(target, piece)
                 if target.ds_status is ZeroParamStatus.AVAILABLE:
                     target.data.copy_(value)
                 where = self.place.get(id(target))
                 if where is not None:
-                    self.groups[where[0]].views[where[1]].copy_(piece)
+                    self.groups[where[0]].set_master_piece(where[1], piece)
         if others:
             self.module.load_state_dict(others, strict=False)
 
     def refresh_master_from_model(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self.store.materialized(write=True):
             for grp in self.groups:
-                if grp.master is not grp.flat:
-                    grp.master.copy_(grp.flat)
+                grp.master_from_partitions()
 
     def close(self) -> None:
+        """Remove hooks and release the store (an offload plugin deletes its swap files here)."""
         self.coordinator.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.store.close()
 
 
 def _storage_bytes(tensors) -> int:
@@ -412,13 +484,17 @@ def _storage_bytes(tensors) -> int:
     return size
 
 
-def _refuse_unsupported(zero_config) -> None:
+def _offload_devices(zero_config, context) -> Dict[str, object]:
+    """``{"offload_param" | "offload_optimizer": device object}`` from the ``offload_device`` plugins
+    the config names (``"none"`` is left out: stage 3 needs no plugin to keep everything here)."""
+    chosen = {}
     for key in ("offload_param", "offload_optimizer"):
-        device = getattr(zero_config, key).device
-        if device != "none":
-            raise NotImplementedError(
-                f"zero_optimization.{key}.device={device!r}: offloading is not implemented by the ZeRO stage 3 "
-                f"plugin yet; set it to \"none\"")
+        section = getattr(zero_config, key)
+        if section.device == "none":
+            continue
+        provided = context.registry.get("offload_device", section.device, what=f"zero_optimization.{key}.device")
+        chosen[key] = provided.spec.factory(section, context)
+    return chosen
 
 
 def _check_groups(param_groups, names: Dict[int, str]) -> None:

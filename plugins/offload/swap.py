@@ -1,0 +1,267 @@
+"""Swap files for NVMe offload: a private directory per process, space checks before training,
+checked reads and writes through the async_io op, and a pool of aligned host buffers.
+
+* :class:`SwapDir` — ``<nvme_path>/dsplug-<what>-rank<r>-<random>/``, created after checking that
+  ``nvme_path`` exists, is a writable directory and has room for every byte that will be swapped
+  (``os.statvfs``); removed by :meth:`SwapDir.close` (the engine's ``destroy()``) or, failing
+  that, when the process exits.
+* :class:`SwapFiles` — whole tensors to and from files in a SwapDir through aio handles: one for
+  reads and one per write *stream*, each waited for separately (a read can overlap writes still
+  in flight, and the writes of one sub-group can be waited for while the next one's continue). Every read first checks
+  that the file has exactly the bytes last written to it; with ``DSPLUG_DEBUG_SWAP=1`` the CRC-32
+  of the bytes read must also equal the CRC-32 of the bytes written.
+* :class:`BufferPool` — ``count`` page-aligned buffers (page-locked where possible) handed out and
+  returned.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+DEBUG_ENV = "DSPLUG_DEBUG_SWAP"
+
+
+class SwapError(RuntimeError):
+    """A swap directory is unusable (missing, not writable, too small)."""
+
+
+class SwapCorruptionError(SwapError):
+    """A swap file does not hold what was written to it."""
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{nbytes} B"  # pragma: no cover
+
+
+def available_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still write on the file system holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_swap_path(path: Optional[str], key: str, needed: int) -> str:
+    """``path`` as an absolute directory that can take ``needed`` more bytes; else :class:`SwapError`
+    naming the config key, the path and the bytes needed / available."""
+    where = f"zero_optimization.{key}.nvme_path"
+    if not path:
+        raise SwapError(f"{where} is not set: device 'nvme' needs a directory for its swap files")
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.exists(path):
+        raise SwapError(f"{where} = {path!r} does not exist: create the directory (on a fast local NVMe drive) or "
+                        f"point nvme_path at one; this run needs {_human(needed)} ({needed} bytes) there")
+    if not os.path.isdir(path):
+        raise SwapError(f"{where} = {path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SwapError(f"{where} = {path!r} is not writable by this process (uid {os.getuid()}); choose a directory "
+                        "it may create files in")
+    free = available_bytes(path)
+    if needed > free:
+        raise SwapError(f"{where} = {path!r}: not enough free space for the swap files: this process needs "
+                        f"{_human(needed)} ({needed} bytes) but only {_human(free)} ({free} bytes) are available "
+                        "(free some space, or offload less: ratio, sub_group_size, max_in_cpu)")
+    return path
+
+
+class SwapDir:
+    """A directory private to this process under ``nvme_path``; deleted by :meth:`close` or at exit."""
+
+    def __init__(self, nvme_path: Optional[str], key: str, rank: int, needed: int):
+        root = check_swap_path(nvme_path, key, needed)
+        self.key = key
+        self.needed = needed
+        try:
+            self.path = tempfile.mkdtemp(prefix=f"dsplug-{key}-rank{rank}-", dir=root)
+        except OSError as err:
+            raise SwapError(f"zero_optimization.{key}.nvme_path = {root!r}: cannot create a swap directory there: "
+                            f"{err.strerror}") from None
+        # runs at close(), when this object is collected, or at interpreter exit, whichever comes first
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def closed(self) -> bool:
+        return not self._cleanup.alive
+
+    def close(self) -> None:
+        self._cleanup()
+
+
+class SwapFiles:
+    """Whole tensors written to and read from files of a :class:`SwapDir` through the async_io op."""
+
+    def __init__(self, swap_dir: SwapDir, aio_config=None):
+        from dsplug.op_builder import AsyncIOBuilder
+
+        self.dir = swap_dir
+        settings = _aio_settings(aio_config)
+        self._ops, self._settings = AsyncIOBuilder().load(), settings
+        self.reader = self._ops.aio_handle(*settings)
+        self.writers = [self._ops.aio_handle(*settings)]
+        self.written: Dict[str, int] = {}  # path -> bytes last written
+        self.crc: Dict[str, int] = {}
+        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        self._reads: List[Tuple[torch.Tensor, str]] = []
+        self._writes: Dict[int, List[torch.Tensor]] = {}  # stream -> tensors kept alive until written
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def path(self, name: str) -> str:
+        return self.dir.file(name)
+
+    # ------------------------------------------------------------------ writes
+    @property
+    def writer(self):
+        return self.writers[0]
+
+    def write(self, tensor: torch.Tensor, name: str, stream: int = 0) -> None:
+        """Start writing ``tensor`` (CPU, contiguous) to file ``name`` on write stream ``stream``; it
+        must not change until :meth:`wait_writes` of that stream."""
+        while len(self.writers) <= stream:
+            self.writers.append(self._ops.aio_handle(*self._settings))
+        path = self.path(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.debug:
+            self.crc[path] = _crc(tensor)
+        if path in self.written and self.written[path] > nbytes:
+            os.truncate(path, nbytes)
+        self.writers[stream].async_pwrite(tensor, path)
+        self.written[path] = nbytes
+        self._writes.setdefault(stream, []).append(tensor)
+        self.bytes_written += nbytes
+
+    def wait_writes(self, stream: Optional[int] = None) -> None:
+        """Wait for the writes of ``stream`` (all streams when None)."""
+        for s in ([stream] if stream is not None else list(self._writes)):
+            if self._writes.pop(s, None):
+                self.writers[s].wait()
+
+    # ------------------------------------------------------------------ reads
+    def read(self, tensor: torch.Tensor, name: str) -> None:
+        """Start reading file ``name`` into ``tensor``; checked and complete after :meth:`wait_reads`."""
+        path = self.path(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._check_size(path, nbytes)
+        self.reader.async_pread(tensor, path)
+        self._reads.append((tensor, path))
+        self.bytes_read += nbytes
+
+    def wait_reads(self) -> None:
+        if not self._reads:
+            return
+        reads, self._reads = self._reads, []
+        self.reader.wait()
+        if self.debug:
+            for tensor, path in reads:
+                expected = self.crc.get(path)
+                if expected is not None and _crc(tensor) != expected:
+                    raise SwapCorruptionError(
+                        f"swap file {path} is corrupted: the CRC-32 of the {tensor.numel() * tensor.element_size()} "
+                        f"bytes read ({_crc(tensor):#010x}) differs from what was written ({expected:#010x}); "
+                        f"something else wrote to this run's private swap directory, or the drive returned bad data")
+
+    def read_now(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        self.read(tensor, name)
+        self.wait_reads()
+        return tensor
+
+    def _check_size(self, path: str, nbytes: int) -> None:
+        expected = self.written.get(path)
+        if expected is None:
+            raise SwapError(f"swap file {path} was never written by this run (nothing to read)")
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise SwapCorruptionError(f"swap file {path} has disappeared (it held {expected} bytes): something "
+                                      "deleted this run's private swap directory") from None
+        if size != expected:
+            raise SwapCorruptionError(f"swap file {path} has {size} bytes but {expected} were written to it: it was "
+                                      "truncated or overwritten by something else")
+        if nbytes != expected:
+            raise SwapError(f"swap file {path} holds {expected} bytes, the tensor to read into has {nbytes}")
+
+    def close(self) -> None:
+        self.wait_writes()
+        self.wait_reads()
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    if tensor.numel() == 0:
+        return 0
+    return zlib.crc32(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _aio_settings(aio_config) -> tuple:
+    """(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism) from the aio section."""
+    if aio_config is None:
+        from .config import AioConfig
+
+        aio_config = AioConfig()
+    return (int(aio_config.block_size), int(aio_config.queue_depth), bool(aio_config.single_submit),
+            bool(aio_config.overlap_events), int(aio_config.thread_count))
+
+
+class BufferPool:
+    """``count`` host buffers of ``numel`` elements of ``dtype``, 4 KiB-aligned (O_DIRECT) and
+    page-locked where possible (through the accelerator with ``pin``, else mlock)."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, accelerator=None, pin: bool = False):
+        from dsplug.op_builder import AsyncIOBuilder
+
+        self.count, self.numel, self.dtype = int(count), int(numel), dtype
+        handle = AsyncIOBuilder().load().aio_handle()
+        example = torch.empty(0, dtype=dtype)
+        self._buffers = []
+        for _ in range(self.count):
+            buf = handle.new_cpu_locked_tensor(max(1, self.numel), example)
+            if pin and accelerator is not None and getattr(accelerator, "name", "cpu") != "cpu":
+                buf = accelerator.pin_memory(buf)
+            self._buffers.append(buf)
+        self._free = list(range(self.count))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> torch.Tensor:
+        if not self._free:
+            raise SwapError(f"all {self.count} swap buffers are in use")
+        return self._buffers[self._free.pop(0)]
+
+    def give(self, buffer: torch.Tensor) -> None:
+        for i, b in enumerate(self._buffers):
+            if b.data_ptr() == buffer.data_ptr():
+                if i in self._free:
+                    raise SwapError("a swap buffer was returned twice")
+                self._free.append(i)
+                return
+        raise SwapError("returned a tensor that is not one of the pool's buffers")
+
+    def nbytes(self) -> int:
+        return self.count * max(1, self.numel) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in for a tensor swapped out to a file: right numel and dtype, no memory. Reading it
+    (``.to()``, ``.cpu()``, arithmetic with real tensors) raises; writes must go through the swapper."""
+    return torch.empty(numel, dtype=dtype, device="meta")
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta"
+
+
+__all__ = ["SwapDir", "SwapFiles", "BufferPool", "SwapError", "SwapCorruptionError", "check_swap_path",
+           "available_bytes", "placeholder", "is_placeholder", "DEBUG_ENV"]
