@@ -209,8 +209,43 @@ def test_csv_rows_reach_a_reader_while_training(tmp_path):
     observer = CsvMonitor(str(tmp_path), flush_interval_s=0.0)
     observer.dsplug_step_end(engine=None, metrics=STEPS[0])
     observer.dsplug_step_end(engine=None, metrics=STEPS[1])
-    rows = _read_csv_dir(tmp_path)["Train_Samples_train_loss.csv"]  # not closed yet
-    assert rows == [["step", "train_loss"], ["8", "2.5"], ["16", "1.75"]]
+    want = [["step", "train_loss"], ["8", "2.5"], ["16", "1.75"]]
+    deadline = time.monotonic() + 10  # the writer thread gets there without a flush or close
+    while _read_csv_dir(tmp_path).get("Train_Samples_train_loss.csv") != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _read_csv_dir(tmp_path)["Train_Samples_train_loss.csv"] == want
+    observer.close()
+
+
+def test_step_end_only_queues_and_writer_errors_surface(tmp_path):
+    """A slow client library does not block the training step; its failures are not lost."""
+    import threading
+
+    from dsplug.plugins.monitors.csv_monitor import CsvMonitor
+
+    gate = threading.Event()
+    observer = CsvMonitor(str(tmp_path))
+    real_write = observer._write
+
+    def slow_write(events):
+        gate.wait(10)
+        real_write(events)
+
+    observer._write = slow_write
+    observer.dsplug_step_end(engine=None, metrics=STEPS[0])
+    # step_end returned while the writer is still blocked: nothing is written yet
+    assert ["8", "2.5"] not in _read_csv_dir(tmp_path).get("Train_Samples_train_loss.csv", [])
+    gate.set()
+    observer.flush()
+    assert _read_csv_dir(tmp_path)["Train_Samples_train_loss.csv"][1] == ["8", "2.5"]
+
+    def failing_write(events):
+        raise OSError("disk full")
+
+    observer._write = failing_write
+    observer.dsplug_step_end(engine=None, metrics=STEPS[1])
+    with pytest.raises(RuntimeError, match="csv_monitor monitor failed to write: OSError: disk full"):
+        observer.flush()
     observer.close()
 
 

@@ -8,6 +8,7 @@ then whenever at least that many samples have passed since it was last logged.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Dict, List, Optional
 
@@ -55,6 +56,20 @@ class SamplesLogInterval:
         return False
 
 
+#: comet's background samplers of host metrics (cpu, gpu, network, disk, CO2) cost measurable
+#: step time on small hosts; they are off unless their COMET_AUTO_LOG_* variable turns them on.
+_SAMPLERS = {"log_env_cpu": "COMET_AUTO_LOG_ENV_CPU", "log_env_gpu": "COMET_AUTO_LOG_ENV_GPU",
+             "log_env_network": "COMET_AUTO_LOG_ENV_NETWORK", "log_env_disk": "COMET_AUTO_LOG_ENV_DISK",
+             "auto_log_co2": "COMET_AUTO_LOG_CO2"}
+
+
+def _quiet_experiment_config(comet_ml) -> dict:
+    if not hasattr(comet_ml, "ExperimentConfig"):
+        return {}
+    off = {key: False for key, env in _SAMPLERS.items() if env not in os.environ}
+    return {"experiment_config": comet_ml.ExperimentConfig(**off)} if off else {}
+
+
 class CometMonitor(MonitorObserver):
     section = "comet"
 
@@ -72,6 +87,7 @@ class CometMonitor(MonitorObserver):
                 experiment_key=config.experiment_key,
                 mode=config.mode,
                 online=config.online,
+                **_quiet_experiment_config(comet_ml),
             )
         except Exception as exc:  # comet raises ValueError / its own ExperimentNotFound etc.
             raise RuntimeError(
@@ -88,7 +104,7 @@ class CometMonitor(MonitorObserver):
             if self.schedule.due(tag, step):
                 self.experiment.log_metric(tag, value, step=step)
 
-    def flush(self) -> None:
+    def _flush(self) -> None:
         self.experiment.flush()
 
     def _close(self) -> None:

@@ -68,9 +68,9 @@ class CsvMonitor(MonitorObserver):
         for tag, value, step in events:
             self._writer_for(tag).writerow((step, value))
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
-            self.flush()
+            self._flush()
 
-    def flush(self) -> None:
+    def _flush(self) -> None:
         for handle, _ in self._files.values():
             handle.flush()
         self._last_flush = time.monotonic()

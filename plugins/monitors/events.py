@@ -6,9 +6,12 @@ samples seen (``global_samples``), so curves of runs with different batch sizes 
 from __future__ import annotations
 
 import abc
+import atexit
 import importlib
 import importlib.util
 import os
+import queue
+import threading
 from typing import Any, Iterable, List, Mapping, Tuple
 
 from dsplug import hookimpl
@@ -90,27 +93,77 @@ class MonitorObserver(abc.ABC):
 
     The engine registers the object into its lifecycle plugin manager; DeepSpeed-style client
     code may also call :meth:`write_events` directly with ``(tag, value, step)`` tuples.
-    Subclasses implement ``_write(events)``, ``flush()`` and ``_close()``; ``_write`` must stay
-    cheap (buffered, no fsync) since it runs on every optimizer step.
+
+    Writing happens on one background thread per monitor: the training step only queues its
+    events, so a slow client library (wandb, comet) never adds to the step time. Events keep
+    their order; :meth:`flush` waits until every queued event is written, :meth:`close` drains
+    and releases. A failure in the writer is raised on the next call from the training thread.
+    Subclasses implement ``_write(events)``, ``_flush()`` and ``_close()`` (run on the writer
+    thread, or after it has stopped).
     """
 
     #: the config section (and plugin name) this observer belongs to
     section = ""
     enabled = True
+    _STOP = object()
 
     def __init__(self) -> None:
         self.closed = False
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._writer: threading.Thread = None
+        self._error: BaseException = None
+        atexit.register(self.close)
 
     def write_events(self, events: Iterable[Event]) -> None:
         if self.closed:
             raise RuntimeError(f"the {self.section} monitor is closed; it cannot write {list(events)!r}")
-        self._write([(str(tag), _scalar(value), int(step)) for tag, value, step in events])
+        self._raise_writer_error()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._drain, name=f"dsplug-{self.section}-writer", daemon=True)
+            self._writer.start()
+        self._queue.put([(str(tag), _scalar(value), int(step)) for tag, value, step in events])
+
+    def flush(self) -> None:
+        """Write everything queued so far and hand it to the OS / the client library."""
+        self._wait_for_queue()
+        self._raise_writer_error()
+        self._flush()
 
     def close(self) -> None:
-        """Flush and release files / runs. Idempotent."""
-        if not self.closed:
-            self.closed = True
-            self._close()
+        """Drain, flush and release files / runs. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._writer is not None:
+            self._queue.put(self._STOP)
+            self._writer.join()
+        self._close()
+        self._raise_writer_error()
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._write(item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                self._error = self._error or exc
+
+    def _wait_for_queue(self) -> None:
+        if self._writer is not None and self._writer.is_alive():
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
+
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the {self.section} monitor failed to write: {type(error).__name__}: {error}") \
+                from error
 
     @hookimpl
     def dsplug_step_end(self, engine, metrics):
@@ -123,12 +176,12 @@ class MonitorObserver(abc.ABC):
     # subclass interface -------------------------------------------------------------------
     @abc.abstractmethod
     def _write(self, events: List[Event]) -> None:
-        """Record already-normalised ``(tag, float, int)`` events."""
+        """Record already-normalised ``(tag, float, int)`` events (on the writer thread)."""
 
     @abc.abstractmethod
-    def flush(self) -> None:
+    def _flush(self) -> None:
         """Hand everything written so far to the OS / the client library."""
 
     @abc.abstractmethod
     def _close(self) -> None:
-        """Flush and release resources (called once)."""
+        """Flush and release resources (called once, after the writer thread stopped)."""

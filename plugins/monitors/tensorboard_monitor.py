@@ -61,7 +61,7 @@ class TensorBoardMonitor(MonitorObserver):
         for step, values in by_step.items():
             self._file_writer.add_summary(self._summary(value=values), step)
 
-    def flush(self) -> None:
+    def _flush(self) -> None:
         self.summary_writer.flush()
 
     def _close(self) -> None:
