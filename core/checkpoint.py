@@ -49,11 +49,16 @@ def _fsync_dir(path: str) -> None:
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     _fsync_dir(os.path.dirname(path) or ".")
 
 
@@ -69,7 +74,7 @@ def partial_dir(save_dir: str, tag: str) -> str:
 
 def begin(save_dir: str, tag: str) -> str:
     """(rank 0) fresh staging directory for ``tag``."""
-    _check_tag(tag)
+    check_tag(tag)
     os.makedirs(save_dir, exist_ok=True)
     staging = partial_dir(save_dir, tag)
     if os.path.exists(staging):
@@ -98,7 +103,7 @@ def commit(save_dir: str, tag: str, save_latest: bool) -> str:
     return final
 
 
-def _check_tag(tag: str) -> None:
+def check_tag(tag: str) -> None:
     if not tag or "/" in tag or tag in (".", "..") or tag.endswith((".partial", ".old")):
         raise CheckpointError(f"checkpoint tag {tag!r} is not valid: use a plain name without '/', "
                               "not ending in .partial or .old")
@@ -134,10 +139,13 @@ def load_file(path: str, weights_only: bool = True) -> Any:
         raise CheckpointError(f"checkpoint file {path} is corrupt or unreadable: {type(exc).__name__}: {exc}") from exc
 
 
-def rng_state() -> dict:
+def rng_state(accelerator=None) -> dict:
     import random
 
     state = {"torch": torch.get_rng_state(), "python": _py_state_to_plain(random.getstate())}
+    device_state = accelerator.rng_state() if accelerator is not None else None
+    if device_state is not None:
+        state["accelerator"] = device_state
     try:
         import numpy as np
 
@@ -149,10 +157,12 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, accelerator=None) -> None:
     import random
 
     torch.set_rng_state(state["torch"])
+    if accelerator is not None and state.get("accelerator") is not None:
+        accelerator.set_rng_state(state["accelerator"])
     random.setstate(_plain_to_py_state(state["python"]))
     if "numpy" in state:
         try:

@@ -27,6 +27,8 @@ from .registry import get_registry
 from .timers import StepTimers
 
 PRECISION_SECTIONS = ("fp16", "bf16", "amp")
+#: param-group key linking the engine's groups back to a client optimizer's own groups
+CLIENT_GROUP_INDEX = "_dsplug_client_group"
 
 
 class Engine(torch.nn.Module):
@@ -63,8 +65,14 @@ class Engine(torch.nn.Module):
         stage_number = self.zero_config.stage if self.zero_config is not None else 0
         stage_plugin = self.registry.get("zero_stage", str(stage_number), what="zero_optimization.stage")
         _refuse_partitioned_params(model, stage_number)
+        previous = getattr(model, "_dsplug_stage", None)
+        if previous is not None:  # initialize() again on the same model: retire the old engine's hooks
+            log_rank0("warning: this model was already wrapped by a dsplug engine; that engine's hooks are "
+                      "removed and it must not be used any more", logging.WARNING)
+            previous.close()
         self.stage = stage_plugin.spec.factory(model, param_groups, self._optimizer_builder(optimizer),
                                                self.precision, self.zero_config, self.context)
+        object.__setattr__(model, "_dsplug_stage", self.stage)
         self.optimizer = self.stage.optimizer
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
@@ -108,8 +116,10 @@ class Engine(torch.nn.Module):
                 if client_optimizer.state and self.precision.master_weights:
                     raise ValueError("the client optimizer already has state; with fp16/bf16 master weights "
                                      "pass a fresh optimizer (or a callable that builds one)")
-                for own, new in zip(client_optimizer.param_groups, groups):
-                    own["params"] = list(new["params"])
+                for own in client_optimizer.param_groups:
+                    own["params"] = []  # a group with only frozen parameters stays empty
+                for new in groups:
+                    client_optimizer.param_groups[new[CLIENT_GROUP_INDEX]]["params"] = list(new["params"])
                 return client_optimizer
             return rebind
         if callable(client_optimizer):
@@ -193,8 +203,11 @@ class Engine(torch.nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
-                log_rank0(f"overflow: step {self.global_steps + 1} skipped, loss scale lowered to "
-                          f"{self.precision.loss_scale:g}", logging.INFO)
+                if self.precision.loss_scaler is not None:
+                    log_rank0(f"overflow: step {self.global_steps + 1} skipped, loss scale lowered to "
+                              f"{self.precision.loss_scale:g}", logging.INFO)
+                else:
+                    log_rank0(f"non-finite gradients: step {self.global_steps + 1} skipped", logging.INFO)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.timers.stop("step")
@@ -321,37 +334,66 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """Save to ``save_dir/tag`` (default ``global_step<N>``), crash-safe: the staged tag replaces
+        the old one and ``latest`` moves only after every rank wrote its files. A failure on any
+        rank raises on every rank (none is left waiting) and leaves the previous checkpoint as is."""
         save_dir = os.fspath(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        ckpt.check_tag(tag)
         self._validate_tag(tag)
-        if self.global_rank == 0:
-            ckpt.begin(save_dir, tag)
-        comm.barrier()
+        rank0 = self.global_rank == 0
+        self._on_every_rank("preparing", lambda: ckpt.begin(save_dir, tag) if rank0 else None)
         staging = ckpt.partial_dir(save_dir, tag)
         module_state = self.stage.module_state_dict()  # collective at stage 3: every rank calls it
-        if self.global_rank == 0:
-            if exclude_frozen_parameters:
-                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-                module_state = {k: v for k, v in module_state.items() if k not in frozen}
-            extra = [s for s in self.events.hook.dsplug_checkpoint_state(engine=self) if s]
-            ckpt.atomic_save({
-                "module": module_state,
-                "global_steps": self.global_steps, "global_samples": self.global_samples,
-                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "client_state": dict(client_state or {}), "observers": extra,
-                "world_size": self.world_size, "zero_stage": self.stage.stage, "precision": self.precision.name,
-                "ds_config": self.config.to_dict(), "dsplug_version": _version(),
-            }, os.path.join(staging, ckpt.MODEL_FILE))
-        ckpt.atomic_save({"stage": self.stage.state_dict(), "precision": self.precision.state_dict(),
-                          "rank": self.global_rank, "world_size": self.world_size},
-                         os.path.join(staging, ckpt.optim_file(self.global_rank)))
-        ckpt.atomic_save(ckpt.rng_state(), os.path.join(staging, ckpt.rng_file(self.global_rank)))
-        comm.barrier()
-        if self.global_rank == 0:
-            ckpt.commit(save_dir, tag, save_latest)
-        comm.barrier()
+
+        def write_files():
+            if rank0:
+                state = module_state
+                if exclude_frozen_parameters:
+                    frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                    state = {k: v for k, v in state.items() if k not in frozen}
+                ckpt.atomic_save({
+                    "module": state,
+                    "global_steps": self.global_steps, "global_samples": self.global_samples,
+                    "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                    "client_state": dict(client_state or {}), "observers": self._observer_states(),
+                    "world_size": self.world_size, "zero_stage": self.stage.stage, "precision": self.precision.name,
+                    "ds_config": self.config.to_dict(), "dsplug_version": _version(),
+                }, os.path.join(staging, ckpt.MODEL_FILE))
+            ckpt.atomic_save({"stage": self.stage.state_dict(), "precision": self.precision.state_dict(),
+                              "rank": self.global_rank, "world_size": self.world_size},
+                             os.path.join(staging, ckpt.optim_file(self.global_rank)))
+            ckpt.atomic_save(ckpt.rng_state(self.accelerator), os.path.join(staging, ckpt.rng_file(self.global_rank)))
+
+        self._on_every_rank("writing", write_files)
+        self._on_every_rank("committing", lambda: ckpt.commit(save_dir, tag, save_latest) if rank0 else None)
         return True
+
+    def _on_every_rank(self, what: str, step) -> None:
+        """Run ``step`` here, then agree with every rank on whether it worked (a collective)."""
+        error = None
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+        failures = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, text in enumerate(failures) if text]
+        if failed:
+            rank, text = failed[0]
+            raise ckpt.CheckpointError(f"checkpoint {what} failed on rank {rank}: {text}; the previous "
+                                       "checkpoint is untouched")
+
+    def _observer_states(self) -> Dict[str, Any]:
+        """Extra state from observers, keyed by the observer's name so it finds its way back."""
+        states = {}
+        for impl in self.events.hook.dsplug_checkpoint_state.get_hookimpls():
+            state = impl.function(engine=self)
+            if state:
+                states[impl.plugin_name] = state
+        return states
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -430,9 +472,13 @@ class Engine(torch.nn.Module):
         self.global_samples = model_state["global_samples"]
         self.micro_steps = model_state["micro_steps"]
         self.skipped_steps = model_state["skipped_steps"]
+        saved = model_state.get("observers") or {}
+        for impl in self.events.hook.dsplug_load_checkpoint_state.get_hookimpls():
+            if isinstance(saved, dict) and impl.plugin_name in saved:
+                impl.function(engine=self, state=saved[impl.plugin_name])
         rng_path = os.path.join(path, ckpt.rng_file(self.global_rank))
         if os.path.exists(rng_path):
-            ckpt.set_rng_state(ckpt.load_file(rng_path, weights_only))
+            ckpt.set_rng_state(ckpt.load_file(rng_path, weights_only), self.accelerator)
         return path, model_state.get("client_state", {})
 
     # ------------------------------------------------------------------ lifecycle
@@ -440,6 +486,8 @@ class Engine(torch.nn.Module):
         """Close monitors' files and remove hooks; the engine is unusable afterwards."""
         self.events.hook.dsplug_engine_closed(engine=self)
         self.stage.close()
+        if getattr(self.module, "_dsplug_stage", None) is self.stage:
+            del self.module._dsplug_stage
 
 
 def _refuse_partitioned_params(model, stage: int) -> None:
@@ -452,7 +500,8 @@ def _refuse_partitioned_params(model, stage: int) -> None:
 
 def _param_groups(model, model_parameters, client_optimizer) -> List[dict]:
     if isinstance(client_optimizer, torch.optim.Optimizer):
-        groups = [{k: v for k, v in g.items()} for g in client_optimizer.param_groups]
+        # remember each group's place: groups left without trainable parameters are dropped below
+        groups = [{**g, CLIENT_GROUP_INDEX: i} for i, g in enumerate(client_optimizer.param_groups)]
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
         if source and isinstance(source[0], dict):

@@ -133,7 +133,13 @@ class LifecycleSpecs:
 
     @hookspec
     def dsplug_checkpoint_state(self, engine):
-        """Return a dict of extra state to save with a checkpoint (or None)."""
+        """Return a dict of extra state to save with a checkpoint (or None). It is saved under this
+        observer's name and handed back by ``dsplug_load_checkpoint_state``; keep it to tensors and
+        plain Python values (checkpoints load with ``weights_only=True``)."""
+
+    @hookspec
+    def dsplug_load_checkpoint_state(self, engine, state):
+        """A checkpoint is being loaded: ``state`` is what this observer returned when it was saved."""
 
     @hookspec
     def dsplug_engine_closed(self, engine):

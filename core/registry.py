@@ -107,18 +107,21 @@ class Registry:
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must not take the kernel down
-                self.broken.append((ep.name, dist_name, f"{type(exc).__name__}: {exc}"))
-                warnings.warn(
-                    f"dsplug plugin entry point {ep.name!r} from distribution {dist_name!r} "
-                    f"failed to load and is ignored: {type(exc).__name__}: {exc}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                self._broken(ep.name, dist_name, exc)
                 continue
             if self.pm.is_registered(plugin):
                 continue
-            self.pm.register(plugin, name=f"{dist_name}:{ep.name}")
+            try:
+                self.pm.register(plugin, name=f"{dist_name}:{ep.name}")
+            except Exception as exc:  # e.g. a hook implementation whose signature matches no spec
+                self._broken(ep.name, dist_name, exc)
+                continue
             self._origin[id(plugin)] = (dist_name, version, ep.name)
+
+    def _broken(self, entry_point: str, distribution: str, exc: BaseException) -> None:
+        self.broken.append((entry_point, distribution, f"{type(exc).__name__}: {exc}"))
+        warnings.warn(f"dsplug plugin entry point {entry_point!r} from distribution {distribution!r} failed to "
+                      f"load and is ignored: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
     def register(self, plugin, distribution: str = "<runtime>", version: str = "0") -> None:
         """Register a plugin object directly (tests, notebooks) and re-collect specs."""
@@ -133,7 +136,11 @@ class Registry:
             hook = getattr(self.pm.hook, hook_name)
             for impl in hook.get_hookimpls():
                 origin = self._origin.get(id(impl.plugin), ("<unknown>", "?", impl.plugin_name))
-                specs = impl.function() or []
+                try:
+                    specs = impl.function() or []
+                except Exception as exc:  # a plugin whose hook raises is reported, not fatal
+                    self._broken(origin[2], origin[0], exc)
+                    continue
                 for spec in specs:
                     self._add(category, hook_name, spec, origin)
 

@@ -119,5 +119,6 @@ def assert_close_runs(got, want, rtol=1e-5, atol=1e-6):
     import numpy as np
 
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol, atol=atol)
+    assert len(got["params"]) == len(want["params"]) > 0
     for a, b in zip(got["params"], want["params"]):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)

@@ -239,3 +239,15 @@ def test_offload_param_needs_stage_3_and_known_device():
     joined = "\n".join(errors)
     assert "zero_optimization.offload_param.device" in joined and "no offload_device plugin named 'cpux'" in joined
     assert "offloading parameters needs stage 3" in joined
+
+
+def test_accepted_but_inert_keys_warn_instead_of_being_silently_ignored():
+    from dsplug.config import DsplugConfigWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DsplugConfig({"train_batch_size": 2, "sparse_gradients": True,
+                      "zero_optimization": {"elastic_checkpoint": False}}, world_size=1)
+    notes = [str(w.message) for w in caught if issubclass(w.category, DsplugConfigWarning)]
+    assert notes == ["sparse_gradients: true has no effect in dsplug (embedding gradients are reduced densely); "
+                     "the setting is ignored"]  # elastic_checkpoint at its default says nothing

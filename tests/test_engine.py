@@ -273,3 +273,121 @@ def test_stage0_refuses_a_partitioned_checkpoint_clearly(tmp_path):
     path, _ = plain.load_checkpoint(tmp_path, load_module_only=True)
     for a, b in zip(plain.module.parameters(), engine.stage.module_state_dict().values()):
         assert torch.equal(a.detach(), b)
+
+
+def test_client_optimizer_groups_keep_their_place_when_one_is_frozen():
+    model = make_model()
+    first = model[0]
+    for p in first.parameters():
+        p.requires_grad_(False)
+    rest = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD([{"params": list(first.parameters()), "lr": 0.5}, {"params": rest, "lr": 0.01}])
+    reference = make_model()
+    ref_opt = torch.optim.SGD([p for i, p in enumerate(reference.parameters()) if i >= 2], lr=0.01)
+    engine, optimizer, _, _ = dsplug.initialize(model=model, optimizer=opt, config={"train_batch_size": 4})
+    assert optimizer.param_groups[0]["params"] == [] and optimizer.param_groups[0]["lr"] == 0.5
+    assert len(optimizer.param_groups[1]["params"]) == len(rest)
+    x = torch.randn(4, 12)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    reference(x).pow(2).mean().backward()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach())
+
+
+def test_initialize_twice_on_one_model_retires_the_first_engine(capsys):
+    model = make_model()
+    config = {"train_batch_size": 4, "bf16": {"enabled": True}}
+    first, _, _, _ = dsplug.initialize(model=model, optimizer=sgd, config=config)
+    second, _, _, _ = dsplug.initialize(model=model, optimizer=sgd, config=config)
+    assert "already wrapped by a dsplug engine" in capsys.readouterr().out
+    x = torch.randn(4, 12, dtype=torch.bfloat16)
+    for _ in range(2):  # the first engine's gradient hooks no longer take the gradients away
+        second.backward(second(x).float().pow(2).mean())
+        second.step()
+    assert second.global_steps == 2 and first.global_steps == 0
+
+
+def test_bf16_check_grad_overflow_skips_non_finite_steps():
+    def inject(engine, step):
+        if step == 1:  # bf16 gradients live in the stage's fp32 accumulators
+            engine.stage._grad_of(next(engine.module.parameters())).fill_(float("inf"))
+
+    base = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_accumulation_steps": 1}
+    checked = dsplug_run({**base, "bf16": {"enabled": True, "check_grad_overflow": True}}, 3, optimizer=sgd,
+                         inject=inject)
+    assert checked["skipped"] == 1 and all(torch.isfinite(p).all() for p in checked["params"])
+    unchecked = dsplug_run({**base, "bf16": {"enabled": True}}, 3, optimizer=sgd, inject=inject)
+    assert unchecked["skipped"] == 0 and not all(torch.isfinite(p).all() for p in unchecked["params"])
+
+
+def test_amp_dynamic_scale_is_capped_by_max_loss_scale():
+    from dsplug.plugins.precision.loss_scaler import DynamicLossScaler
+
+    s = DynamicLossScaler(initial_scale_power=3, scale_window=1, max_scale=32.0)
+    for _ in range(5):
+        s.update(False)
+    assert s.scale == 32.0
+
+
+class _Counter:
+    """An observer plugin with state that must survive a checkpoint."""
+
+    def __init__(self):
+        self.steps = 0
+        self.restored = None
+
+    @dsplug.hookimpl
+    def dsplug_step_end(self, engine, metrics):
+        self.steps += 1
+
+    @dsplug.hookimpl
+    def dsplug_checkpoint_state(self, engine):
+        return {"steps": self.steps}
+
+    @dsplug.hookimpl
+    def dsplug_load_checkpoint_state(self, engine, state):
+        self.restored = state
+
+
+def test_observer_state_is_saved_and_handed_back(tmp_path):
+    from dsplug.engine import Engine
+    from dsplug.registry import Registry
+
+    registry = Registry()
+    counter = _Counter()
+    registry.register(counter, distribution="test-observer")
+    engine = Engine(make_model(), {"train_batch_size": 4}, optimizer=sgd, registry=registry)
+    x = torch.randn(4, 12)
+    for _ in range(3):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(tmp_path)
+    Engine(make_model(), {"train_batch_size": 4}, optimizer=sgd, registry=registry).load_checkpoint(tmp_path)
+    assert counter.restored == {"steps": 3}
+
+
+def _save_fails_on_rank_one(save_dir):
+    from dsplug import checkpoint as ckpt
+    from dsplug import comm
+
+    engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config={"train_batch_size": 8})
+    engine.save_checkpoint(save_dir, tag="good")
+    if comm.get_rank() == 1:
+        def full_disk(obj, path):
+            raise OSError(28, "No space left on device", path)
+        ckpt.atomic_save = full_disk
+    try:
+        engine.save_checkpoint(save_dir, tag="bad")
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank saw
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.multiprocess
+def test_a_save_failing_on_one_rank_fails_everywhere_and_keeps_the_previous(tmp_path):
+    outcomes = run_distributed(_save_fails_on_rank_one, 2, str(tmp_path), timeout=120)
+    assert outcomes[0].startswith("CheckpointError: checkpoint writing failed on rank 1: OSError")
+    assert outcomes[1].startswith("OSError") and "No space left on device" in outcomes[1]
+    assert (tmp_path / "latest").read_text() == "good" and not (tmp_path / "bad").exists()

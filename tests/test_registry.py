@@ -113,3 +113,13 @@ def test_spec_in_wrong_hook_is_rejected(temp_site, clean_env):
     write_distribution(temp_site, "confused", "1.0", {"confused": "confused_plugin"}, {"confused_plugin": source})
     with pytest.raises(Exception, match=r"returned a 'optimizer' spec named 'Frobnicate' from dsplug_schedulers"):
         Registry()
+
+
+def test_plugin_whose_hook_raises_is_reported_not_fatal(temp_site, clean_env):
+    source = FROB.replace("    return [PluginSpec(", "    raise RuntimeError('cannot describe myself')\n    return [PluginSpec(")
+    write_distribution(temp_site, "raising-dist", "0.2", {"raising": "raising_plugin"}, {"raising_plugin": source})
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        registry = Registry()
+    assert registry.broken == [("raising", "raising-dist", "RuntimeError: cannot describe myself")]
+    assert registry.find("optimizer", "Frobnicate") is None and registry.get("accelerator", "cpu")

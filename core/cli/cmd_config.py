@@ -77,8 +77,12 @@ def serving_plugins(config):
 
 
 def memory_report(config, num_params: float):
-    from dsplug.plugins.zero.memory import model_state_bytes
-
+    """Ask the plugin owning ``zero_optimization`` for its per-rank memory estimate."""
+    owner = config.registry.sections().get("zero_optimization")
+    model_state_bytes = owner.spec.extra.get("memory_estimator") if owner is not None else None
+    if model_state_bytes is None:
+        raise SystemExit("config explain --params: no installed plugin estimates model-state memory "
+                         "(the zero_optimization section's owner provides it)")
     zero = config.section("zero_optimization")
     stage = zero.stage if zero is not None else 0
     half = any(getattr(config.sections.get(s), "enabled", False) is True for s in ("fp16", "bf16"))
@@ -92,9 +96,15 @@ def memory_report(config, num_params: float):
     ), stage, half, states
 
 
-def run_explain(args) -> int:
-    from dsplug.plugins.zero.memory import format_bytes
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024.0
+    return f"{n} B"
 
+
+def run_explain(args) -> int:
     config, error, caught = _load(args)
     if error is not None:
         return run_check(args)

@@ -135,10 +135,14 @@ class _Work:
     def __init__(self, work, op: str, nbytes: int, start: float, world: int, caller: Optional[str] = None):
         self.work, self.op, self.nbytes, self.start, self.world = work, op, nbytes, start, world
         self.caller = caller
+        self.reported = False
 
     def wait(self):
         if self.work is not None:
             self.work.wait()
+        if self.reported:
+            return True
+        self.reported = True
         if self.world > 1 or is_initialized():  # a world of one without a group issued nothing
             _report(self.op, self.nbytes, self.start, self.world, async_op=True, caller=self.caller)
         return True

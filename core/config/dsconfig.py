@@ -31,6 +31,10 @@ class DsplugDeprecationWarning(FutureWarning):
     """A legacy config form was accepted; the message shows the modern form."""
 
 
+class DsplugConfigWarning(UserWarning):
+    """A DeepSpeed setting that dsplug accepts has no effect here."""
+
+
 @attrs.frozen
 class Selected:
     """The plugin a ``type`` key selected, with its parsed ``params``."""
@@ -86,9 +90,11 @@ class DsplugConfig:
         if strict_auto:
             self._refuse_unresolved_auto(report)
         self._run_rules(report)
-        self.warnings = list(report.warnings)
+        self.warnings = list(report.warnings) + list(report.notices)
         for issue in report.warnings:
             warnings.warn(str(issue), DsplugDeprecationWarning, stacklevel=2)
+        for issue in report.notices:
+            warnings.warn(str(issue), DsplugConfigWarning, stacklevel=2)
         report.raise_if_errors()
 
     # ------------------------------------------------------------------ parsing
@@ -116,9 +122,11 @@ class DsplugConfig:
             report.error(f"{key}.type", str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc))
             return None
         schema_cls = provided.spec.schema
-        params = chosen.params
-        if schema_cls is not None:
-            params = parse(schema_cls, chosen.params, f"{key}.params", report)
+        if schema_cls is None:
+            report.error(f"{key}.params", f"plugin {provided.category}:{provided.name} (distribution "
+                         f"{provided.distribution!r}) declares no schema for its params, so they cannot be checked")
+            return None
+        params = parse(schema_cls, chosen.params, f"{key}.params", report)
         return Selected(provided=provided, params=params, type=chosen.type)
 
     def _parse_sections(self, raw: Dict[str, Any], report: Report) -> None:
@@ -251,4 +259,4 @@ def check_config(source, world_size: Optional[int] = None, registry=None) -> Opt
     return None
 
 
-__all__ = ["AUTO", "DsplugConfig", "DsplugDeprecationWarning", "Selected", "check_config"]
+__all__ = ["AUTO", "DsplugConfig", "DsplugConfigWarning", "DsplugDeprecationWarning", "Selected", "check_config"]

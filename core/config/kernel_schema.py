@@ -10,7 +10,7 @@ DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 @schema
 class ParallelWriteConfig:
-    pipeline_stage: bool = field(False, doc="each pipeline stage writes its own model states")
+    pipeline_stage: bool = field(False, doc="each pipeline stage writes its own model states", inert='pipeline parallelism is not available yet')
 
 
 @schema
@@ -19,8 +19,8 @@ class CheckpointConfig:
         "Warn", choices=("Ignore", "Warn", "Fail"), case_insensitive=True,
         doc="check that every rank saves with the same tag",
     )
-    load_universal: bool = field(False, doc="load a universal (reshardable) checkpoint")
-    use_node_local_storage: bool = field(False, doc="each node saves to its own local storage")
+    load_universal: bool = field(False, doc="load a universal (reshardable) checkpoint", inert='dsplug checkpoints reload at any world size without conversion')
+    use_node_local_storage: bool = field(False, doc="each node saves to its own local storage", inert='checkpoints are written to one shared directory')
     parallel_write: ParallelWriteConfig = field(factory=ParallelWriteConfig)
     weights_only: bool = field(True, doc="dsplug: torch.load(weights_only=True) when loading")
 
@@ -57,7 +57,7 @@ class KernelConfig:
         None, choices=DTYPE_NAMES, case_insensitive=True, doc="dtype of gradient all-reduce (default: training dtype)"
     )
     fp32_allreduce: bool = field(False, doc="all-reduce gradients in fp32")
-    sparse_gradients: bool = field(False, doc="sparse all-reduce for nn.Embedding gradients")
+    sparse_gradients: bool = field(False, doc="sparse all-reduce for nn.Embedding gradients", inert='embedding gradients are reduced densely')
     disable_allgather: bool = field(False, doc="ZeRO: broadcast instead of all-gather")
     zero_allow_untested_optimizer: bool = field(False, doc="allow optimizers not tested with ZeRO")
     zero_force_ds_cpu_optimizer: bool = field(True, doc="require the native CPU optimizer with ZeRO-Offload")

@@ -54,13 +54,17 @@ class Report:
     def __init__(self, source: str = ""):
         self.source = source
         self.errors: List[Issue] = []
-        self.warnings: List[Issue] = []
+        self.warnings: List[Issue] = []  # deprecated forms that were rewritten
+        self.notices: List[Issue] = []  # accepted settings that do nothing here
 
     def error(self, path: str, message: str) -> None:
         self.errors.append(Issue(path, message))
 
     def warn(self, path: str, message: str) -> None:
         self.warnings.append(Issue(path, message))
+
+    def notice(self, path: str, message: str) -> None:
+        self.notices.append(Issue(path, message))
 
     def __bool__(self) -> bool:  # truthy when there are errors
         return bool(self.errors)
@@ -100,16 +104,18 @@ def field(
     aliases: Tuple[str, ...] = (),
     check: Optional[Callable[[Any], Optional[str]]] = None,
     case_insensitive: bool = False,
+    inert: Optional[str] = None,
 ):
     """An attrs field carrying the metadata :func:`parse` enforces.
 
     ``check(value)`` may return an error message (or raise ValueError) for rules the other
-    options cannot express. ``choices`` with ``case_insensitive`` accepts any capitalisation and
+    options cannot express. ``inert="why"`` marks a DeepSpeed key that dsplug accepts but that has
+    no effect here: setting it to anything but its default gives a warning saying so, never silence. ``choices`` with ``case_insensitive`` accepts any capitalisation and
     stores the canonical spelling.
     """
     meta = dict(
         doc=doc, ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices is not None else None,
-        auto=auto, aliases=tuple(aliases), check=check, case_insensitive=case_insensitive,
+        auto=auto, aliases=tuple(aliases), check=check, case_insensitive=case_insensitive, inert=inert,
     )
     if factory is not None:
         return attrs.field(factory=factory, metadata={"dsplug": meta})
@@ -362,6 +368,9 @@ def parse(cls, data, path: str = "", report: Optional[Report] = None):
         stored, ok = _canonical_choice(a, stored, sub, report)
         if ok and _check_value(a, stored, sub, report, given=value):
             values[a.name] = stored
+            inert = _meta(a).get("inert")
+            if inert and stored != a.default:
+                report.notice(sub, f"{_show(value)} has no effect in dsplug ({inert}); the setting is ignored")
     for a in fields_of(cls):
         if a.name not in values and a.default is attrs.NOTHING:
             sub = f"{path}.{a.name}" if path else a.name

@@ -134,6 +134,7 @@ class MonitorObserver(abc.ABC):
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         if self._writer is not None:
             self._queue.put(self._STOP)
             self._writer.join()

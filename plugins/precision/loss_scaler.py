@@ -29,13 +29,15 @@ class DynamicLossScaler:
     dynamic = True
 
     def __init__(self, initial_scale_power: int = 16, scale_window: int = 1000, hysteresis: int = 2,
-                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, scale_factor: float = 2.0):
+                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, scale_factor: float = 2.0,
+                 max_scale: float = float("inf")):
         self.scale = float(2 ** initial_scale_power)
         self.scale_window = int(scale_window)
         self.hysteresis = int(hysteresis)
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self.min_scale = float(min_scale)
         self.scale_factor = float(scale_factor)
+        self.max_scale = float(max_scale)
         self.remaining_hysteresis = self.hysteresis
         self.iteration = 0
         self.last_overflow_iteration = -1
@@ -53,7 +55,7 @@ class DynamicLossScaler:
             if (self.iteration - self.last_overflow_iteration) % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.remaining_hysteresis = self.hysteresis
-                self.scale *= self.scale_factor
+                self.scale = min(self.scale * self.scale_factor, self.max_scale)
         self.iteration += 1
 
     def state_dict(self):

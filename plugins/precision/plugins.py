@@ -12,20 +12,20 @@ from dsplug.config.schema import field, schema
 @schema
 class Fp16Config:
     enabled: bool = field(False, auto=True, doc="train with fp16 parameters and fp32 master weights")
-    auto_cast: bool = field(False, doc="cast the inputs of forward to fp16")
+    auto_cast: bool = field(False, doc="cast the inputs of forward to fp16", inert='forward inputs are not cast; pass fp16 inputs')
     loss_scale: float = field(0.0, ge=0, doc="0 = dynamic loss scaling; otherwise a static scale")
     initial_scale_power: int = field(16, ge=0, le=128, doc="dynamic scaling starts at 2**this")
     loss_scale_window: int = field(1000, ge=1, doc="overflow-free steps before the scale doubles")
     hysteresis: int = field(2, ge=1, doc="overflows tolerated before the scale halves")
     consecutive_hysteresis: bool = field(False, doc="refill hysteresis on every overflow-free step")
     min_loss_scale: float = field(1.0, gt=0, doc="the dynamic scale never goes below this")
-    fp16_master_weights_and_grads: bool = field(False, doc="keep master weights in fp16 (ZeRO-Offload only)")
+    fp16_master_weights_and_grads: bool = field(False, doc="keep master weights in fp16 (ZeRO-Offload only)", inert='master weights and gradients are kept in fp32')
 
 
 @schema
 class Bf16Config:
     enabled: bool = field(False, auto=True, doc="train with bf16 parameters and fp32 master weights")
-    immediate_grad_update: bool = field(False, doc="apply gradients as soon as they are reduced")
+    immediate_grad_update: bool = field(False, doc="apply gradients as soon as they are reduced", inert='gradients are applied at the optimizer step')
     check_grad_overflow: bool = field(False, doc="skip steps whose gradients are not finite")
 
 
@@ -48,13 +48,13 @@ class AmpConfig:
                                           doc="'dynamic' or a static number, for fp16 autocast")
     min_loss_scale: Optional[float] = field(None, gt=0)
     max_loss_scale: float = field(2.0 ** 24, gt=0)
-    keep_batchnorm_fp32: Optional[bool] = field(None)
-    master_weights: Optional[bool] = field(None)
-    cast_model_type: Optional[str] = field(None)
-    patch_torch_functions: Optional[bool] = field(None)
-    cast_model_outputs: Optional[str] = field(None)
-    num_losses: int = field(1, ge=1)
-    verbosity: int = field(1, ge=0)
+    keep_batchnorm_fp32: Optional[bool] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
+    master_weights: Optional[bool] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
+    cast_model_type: Optional[str] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
+    patch_torch_functions: Optional[bool] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
+    cast_model_outputs: Optional[str] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
+    num_losses: int = field(1, ge=1, inert='an Apex option; dsplug amp is torch.autocast')
+    verbosity: int = field(1, ge=0, inert='an Apex option; dsplug amp is torch.autocast')
 
 
 def _grad_accum_dtype(context, default):
@@ -95,7 +95,8 @@ def build_bf16(config: Bf16Config, context):
     from .policy import PrecisionPolicy
 
     return PrecisionPolicy("bf16", torch.bfloat16, master_weights=True,
-                           grad_accum_dtype=_grad_accum_dtype(context, torch.float32))
+                           grad_accum_dtype=_grad_accum_dtype(context, torch.float32),
+                           check_overflow=config.check_grad_overflow)
 
 
 def build_amp(config: AmpConfig, context):
@@ -112,7 +113,8 @@ def build_amp(config: AmpConfig, context):
     if dtype == torch.float16:
         if config.loss_scale == "dynamic":
             power = min(16, int(math.log2(config.max_loss_scale)))
-            scaler = DynamicLossScaler(initial_scale_power=power, min_scale=config.min_loss_scale or 1.0)
+            scaler = DynamicLossScaler(initial_scale_power=power, min_scale=config.min_loss_scale or 1.0,
+                                       max_scale=config.max_loss_scale)
         else:
             scaler = StaticLossScaler(float(config.loss_scale))
     return PrecisionPolicy("amp", torch.float32, grad_accum_dtype=torch.float32, loss_scaler=scaler,

@@ -24,6 +24,8 @@ class PrecisionPolicy:
     loss_scaler: Optional[Any] = None
     autocast_dtype: Any = None
     device_type: str = "cpu"
+    #: skip steps with non-finite gradients even without a loss scaler (bf16 check_grad_overflow)
+    check_overflow: bool = False
 
     @property
     def loss_scale(self) -> float:
@@ -31,7 +33,7 @@ class PrecisionPolicy:
 
     @property
     def checks_overflow(self) -> bool:
-        return self.loss_scaler is not None
+        return self.loss_scaler is not None or self.check_overflow
 
     def autocast(self):
         if self.autocast_dtype is None:

@@ -6,6 +6,13 @@ from dsplug import PluginSpec, hookimpl
 from .config import RULES, ZeroConfig
 
 
+def estimate_model_state_bytes(*args, **kwargs):
+    """Per-rank bytes of model states (see :mod:`.memory`); used by ``dsplug config explain``."""
+    from .memory import model_state_bytes
+
+    return model_state_bytes(*args, **kwargs)
+
+
 def build_stage0(module, param_groups, build_optimizer, precision, zero_config, context):
     from .stage0 import DataParallelStage
 
@@ -31,5 +38,6 @@ def dsplug_config_sections():
             schema=ZeroConfig,
             rules=RULES,
             summary="ZeRO settings; zero_optimization.stage selects a zero_stage plugin",
+            extra={"memory_estimator": estimate_model_state_bytes},
         )
     ]

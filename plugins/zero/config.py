@@ -69,17 +69,17 @@ class ZeroConfig:
         False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
         doc="gather the full 16-bit weights in save_16bit_model()")
     stage3_module_granularity_threshold: int = field(0, ge=0, doc="treat modules below this size as leaves")
-    elastic_checkpoint: bool = field(False, doc="checkpoints loadable at another world size")
+    elastic_checkpoint: bool = field(False, doc="checkpoints loadable at another world size", inert='dsplug checkpoints always reload at another world size')
     ignore_unused_parameters: bool = field(True, doc="tolerate parameters that get no gradient")
     legacy_stage1: bool = field(False, doc="DeepSpeed's older stage 1 implementation")
-    memory_efficient_linear: bool = field(True, doc="stage 3: memory-efficient linear autograd function")
-    use_multi_rank_bucket_allreduce: bool = field(True, doc="bucketed all-reduce across ranks")
+    memory_efficient_linear: bool = field(True, doc="stage 3: memory-efficient linear autograd function", inert='stage 3 uses the standard linear autograd function')
+    use_multi_rank_bucket_allreduce: bool = field(True, doc="bucketed all-reduce across ranks", inert='buckets are reduced one collective each')
     zero_hpz_partition_size: int = field(1, ge=1, doc="ZeRO++ hierarchical partition size (1 = off)")
     zero_quantized_weights: bool = field(False, doc="ZeRO++ quantized weight communication")
     zero_quantized_nontrainable_weights: bool = field(False, doc="ZeRO++ quantized frozen weights")
     zero_quantized_gradients: bool = field(False, doc="ZeRO++ quantized gradient communication")
     mics_shard_size: int = field(-1, ge=-1, doc="MiCS shard group size (-1 = off)")
-    mics_hierarchical_params_gather: bool = field(False, doc="MiCS hierarchical all-gather")
+    mics_hierarchical_params_gather: bool = field(False, doc="MiCS hierarchical all-gather", inert='MiCS is not available')
     log_trace_cache_warnings: bool = field(False, doc="stage 3: warn when the module trace changes")
 
     @staticmethod

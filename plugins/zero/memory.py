@@ -41,11 +41,3 @@ def model_state_bytes(
     for side in (device, host):
         side["total"] = side["parameters"] + side["gradients"] + side["optimizer_states"]
     return {"device": device, "host": host}
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024.0
-    return f"{n} B"
