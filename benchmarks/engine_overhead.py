@@ -16,17 +16,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _mlp import make_mlp  # noqa: E402
 from _spawn import run  # noqa: E402
 
 WIDTH, LAYERS, BATCH = 1024, 4, 32
 
 
 def make_model():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+    return make_mlp(WIDTH, LAYERS)
 
 
 def _time_steps(step, steps):

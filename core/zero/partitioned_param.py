@@ -207,6 +207,10 @@ class ParamPartitioner:
 
     def gather_async(self, params: Iterable[torch.nn.Parameter]) -> List[GatherHandle]:
         """Start all-gathers for the parameters that are NOT_AVAILABLE (one per dtype)."""
+        return [GatherHandle(self, group) for group in self._claim_for_gather(params)]
+
+    def _claim_for_gather(self, params: Iterable[torch.nn.Parameter]) -> List[List[torch.nn.Parameter]]:
+        """The NOT_AVAILABLE parameters, grouped by dtype, counted as live / in flight."""
         todo = [p for p in unique(params) if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
         by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
         for p in todo:
@@ -214,7 +218,7 @@ class ParamPartitioner:
             if not p.ds_persist:
                 self._add_live(p)
                 self.inflight_numel += p.ds_numel
-        return [GatherHandle(self, group) for group in by_dtype.values()]
+        return list(by_dtype.values())
 
     def fetch(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Make every parameter AVAILABLE (gathering, or waiting for a gather in flight)."""

@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dsplug.zero.partitioned_param import GatherHandle, ParamPartitioner, ZeroParamStatus, unique
+from dsplug.zero.partitioned_param import GatherHandle, ParamPartitioner
 
 from .swap import BufferPool, SwapDir, SwapError, SwapFiles, is_placeholder, placeholder
 
@@ -163,15 +163,8 @@ class NvmeParamPartitioner(HostParamPartitioner):
         return super().local_piece(p)
 
     def gather_async(self, params: Iterable[torch.nn.Parameter]) -> List[GatherHandle]:
-        todo = [p for p in unique(params) if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
-        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-        for p in todo:
-            by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-            if not p.ds_persist:
-                self._add_live(p)
-                self.inflight_numel += p.ds_numel
         handles: List[GatherHandle] = []
-        for group in by_dtype.values():
+        for group in self._claim_for_gather(params):
             resident = [p for p in group if not self.is_swapped(p)]
             if resident:
                 handles.append(GatherHandle(self, resident))
