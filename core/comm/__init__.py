@@ -7,6 +7,7 @@ Listeners (e.g. the comms logger plugin) see every collective with its size and 
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import time
 from datetime import timedelta
@@ -290,18 +291,52 @@ def barrier(group=None) -> None:
     _run("barrier", 0, lambda: dist.barrier(group=group), False, group)
 
 
+def _object_device(group):
+    if get_backend(group) == "gloo":
+        return torch.device("cpu")
+    from ..accelerator import get_accelerator
+
+    accel = get_accelerator()
+    return accel.device(accel.current_device())
+
+
+def _pickled(obj, device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _unpickled(tensor: torch.Tensor, size: int):
+    # bytes(list) rather than tensor.numpy(): torch's own object collectives need numpy, which a
+    # plain `pip install torch` does not bring
+    return pickle.loads(bytes(tensor[:size].cpu().tolist()))
+
+
 def all_gather_object(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable), in rank order."""
     world = get_world_size(group)
-    if world == 1 and not is_initialized():
+    if world == 1:
         return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device = _object_device(group)
+    payload = _pickled(obj, device)
+    size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    chunks = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(chunks, padded, group=group)
+    return [_unpickled(chunk, int(n)) for chunk, n in zip(chunks, sizes)]
 
 
 def broadcast_object(obj, src: int = 0, group=None):
-    if get_world_size(group) == 1 and not is_initialized():
+    """``src``'s ``obj`` on every rank."""
+    if get_world_size(group) == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    device = _object_device(group)
+    payload = _pickled(obj, device) if get_rank() == src else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.long, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if payload is None:
+        payload = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src, group=group)
+    return _unpickled(payload, int(size))
