@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 from dsplug import PluginSpec, hookimpl
 from dsplug.config.schema import field, schema
 
-from .events import Event, MonitorObserver, is_writer, require_package
+from .events import Event, MonitorObserver, build_client_monitor
 
 MODES = ("get_or_create", "create", "get")
 
@@ -112,13 +112,7 @@ class CometMonitor(MonitorObserver):
 
 
 def build(config: CometConfig, context) -> Optional[CometMonitor]:
-    if not config.enabled:
-        return None
-    writer = is_writer(context)
-    comet_ml = require_package("comet_ml", section="comet", extra="comet", load=writer)
-    if not writer:
-        return None
-    return CometMonitor(config, comet_ml)
+    return build_client_monitor(config, context, "comet_ml", "comet", lambda comet_ml: CometMonitor(config, comet_ml))
 
 
 @hookimpl

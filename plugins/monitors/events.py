@@ -88,6 +88,17 @@ def require_package(module: str, *, section: str, extra: str, load: bool = True)
         raise MissingExtraError(f"{hint} [import error: {exc}]") from exc
 
 
+def build_client_monitor(config, context, package: str, section: str, make):
+    """The shared factory of monitors backed by a client library: nothing when disabled; the
+    package is checked on every rank (so a missing extra fails everywhere, not only on rank 0);
+    ``make(module)`` builds the observer on the writing rank only."""
+    if not config.enabled:
+        return None
+    writer = is_writer(context)
+    module = require_package(package, section=section, extra=section, load=writer)
+    return make(module) if writer else None
+
+
 class MonitorObserver(abc.ABC):
     """Base of the observers the monitor factories return.
 

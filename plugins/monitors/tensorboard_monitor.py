@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 from dsplug import PluginSpec, hookimpl
 from dsplug.config.schema import field, schema
 
-from .events import Event, MonitorObserver, is_writer, require_package, resolve_log_dir
+from .events import Event, MonitorObserver, build_client_monitor, resolve_log_dir
 
 #: seconds between the SummaryWriter's background flushes: a running TensorBoard sees new
 #: points this often, while a step only queues events in memory.
@@ -70,13 +70,8 @@ class TensorBoardMonitor(MonitorObserver):
 
 
 def build(config: TensorBoardConfig, context) -> Optional[TensorBoardMonitor]:
-    if not config.enabled:
-        return None
-    writer = is_writer(context)
-    require_package("tensorboard", section="tensorboard", extra="tensorboard", load=writer)
-    if not writer:
-        return None
-    return TensorBoardMonitor(resolve_log_dir(config.output_path, config.job_name))
+    return build_client_monitor(config, context, "tensorboard", "tensorboard",
+                                lambda _: TensorBoardMonitor(resolve_log_dir(config.output_path, config.job_name)))
 
 
 @hookimpl

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 from dsplug import PluginSpec, hookimpl
 from dsplug.config.schema import field, schema
 
-from .events import Event, MonitorObserver, is_writer, require_package
+from .events import Event, MonitorObserver, build_client_monitor
 
 
 @schema
@@ -66,13 +66,7 @@ class WandbMonitor(MonitorObserver):
 
 
 def build(config: WandbConfig, context) -> Optional[WandbMonitor]:
-    if not config.enabled:
-        return None
-    writer = is_writer(context)
-    wandb_module = require_package("wandb", section="wandb", extra="wandb", load=writer)
-    if not writer:
-        return None
-    return WandbMonitor(config, wandb_module)
+    return build_client_monitor(config, context, "wandb", "wandb", lambda wandb: WandbMonitor(config, wandb))
 
 
 @hookimpl
