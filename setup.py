@@ -21,6 +21,7 @@ def _packages():
 setup(
     package_dir=FOLDERS,
     packages=_packages(),
-    package_data={"dsplug.csrc": ["**/*.cpp", "**/*.h", "*.cpp", "*.h"], "dsplug": ["data/*", "**/*.json", "**/*.txt"]},
+    package_data={"dsplug.csrc": ["**/*.cpp", "**/*.h", "*.cpp", "*.h"], "dsplug": ["data/*", "**/*.json", "**/*.txt"],
+                  "dsplug.plugins.train": ["default_config.json", "data/*"]},
     include_package_data=True,
 )

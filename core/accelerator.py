@@ -2,7 +2,7 @@
 
 Accelerators are plugins (category ``accelerator``). :func:`get_accelerator` picks the one named
 by ``DSPLUG_ACCELERATOR`` (or ``DS_ACCELERATOR``, as DeepSpeed users set it), else the available
-one with the highest ``extra["priority"]``.
+one with the highest ``spec.priority``.
 """
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ class Accelerator(abc.ABC):
         import torch
 
         return torch.device(self.device_name(index))
+
+    def training_device(self, local_rank: int):
+        """The device a process with ``local_rank`` trains on (the engine moves the model there).
+        Per-process devices by default; a device type with one shared device overrides this."""
+        return self.device(local_rank)
 
     def device_count(self) -> int:
         return 1
@@ -112,7 +117,7 @@ def get_accelerator(registry=None, refresh: bool = False) -> Accelerator:
     else:
         candidates = sorted(
             (p for p in registry.all() if p.category == "accelerator"),
-            key=lambda p: -int(p.spec.extra.get("priority", 0)),
+            key=lambda p: -int(p.spec.priority),
         )
         accel = None
         for provided in candidates:

@@ -62,7 +62,13 @@ class PluginSpec:
     summary:  one line for ``dsplug list``.
     rules:    cross-section config rules: callables ``rule(config, report)`` run after every
               section parsed (see :mod:`dsplug.config.rules`).
-    extra:    category-specific metadata (e.g. an accelerator's priority).
+    selects:  for a section-owning spec, ``(category, field)``: the section's ``field`` names the
+              plugin of ``category`` to use (``zero_optimization`` selects ``zero_stage`` by
+              ``stage``). The kernel reads nothing else to choose a plugin.
+    default:  the plugin of its category used when the config selects none (fp32 precision).
+    priority: accelerators: among the available ones, the highest priority is picked.
+    states_per_param: optimizers: fp32 values of state kept per parameter (Adam: 2), for memory
+              estimates.
     """
 
     category: str = attrs.field(validator=attrs.validators.in_(CATEGORIES))
@@ -74,10 +80,42 @@ class PluginSpec:
     ops: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
     summary: str = ""
     rules: Tuple[Callable[..., Any], ...] = attrs.field(default=(), converter=tuple)
-    extra: Any = attrs.field(factory=dict)
+    selects: Optional[Tuple[str, str]] = None
+    default: bool = False
+    priority: int = 0
+    states_per_param: Optional[int] = None
 
     def names(self) -> Tuple[str, ...]:
         return (self.name,) + self.aliases
+
+
+@attrs.frozen
+class CliCommand:
+    """A ``dsplug`` subcommand a plugin contributes (hook ``dsplug_cli_commands``).
+
+    name:          the word after ``dsplug`` (``"zero-to-fp32"``)
+    help:          one line for ``dsplug --help``
+    add_arguments: ``add_arguments(parser)`` adds the command's arguments to its argparse parser
+    run:           ``run(args) -> int`` the exit code; import heavy things (torch) inside it
+    description:   longer text for ``dsplug NAME --help`` (default: ``help``)
+    """
+
+    name: str = attrs.field(validator=_name_ok)
+    help: str
+    add_arguments: Callable[[Any], None]
+    run: Callable[[Any], Optional[int]]
+    description: Optional[str] = None
+
+
+@attrs.frozen
+class ApiModule:
+    """A public import path (``dsplug.zero``) whose names a plugin module provides (hook
+    ``dsplug_api_modules``). The kernel keeps a thin module at ``path`` that forwards attribute
+    access to ``target`` on first use, so blocking the plugin makes the path say who is missing.
+    """
+
+    path: str
+    target: str
 
 
 @attrs.frozen
@@ -96,3 +134,12 @@ class Provided:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def module(self) -> str:
+        """The dotted module that implements it (its factory's, else its schema's)."""
+        for obj in (self.spec.factory, self.spec.schema):
+            obj = getattr(obj, "func", obj)  # a functools.partial: where its function lives
+            if obj is not None and getattr(obj, "__module__", None):
+                return obj.__module__
+        return self.entry_point

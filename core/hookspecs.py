@@ -1,4 +1,4 @@
-"""The contract between the kernel and its plugins (the plugin author's manual).
+"""The contract between the kernel and its plugins: the plugin author's manual.
 
 A plugin is a module (or any object) named by an entry point in the group ``dsplug``::
 
@@ -6,38 +6,32 @@ A plugin is a module (or any object) named by an entry point in the group ``dspl
     my-lion = "my_package.lion_plugin"
 
 and implements one or more of the hooks below with ``@dsplug.hookimpl``. Built-in plugins
-register exactly the same way, from dsplug's own ``pyproject.toml``.
+register exactly the same way, from dsplug's own ``pyproject.toml``. Hook implementations may
+take any subset of a hook's arguments, always passed by keyword. A function named ``dsplug_*``
+that matches no hook below is reported by ``dsplug list`` (a misspelled hook is never silently
+ignored).
 
-Category hooks
---------------
-Each returns a list of :class:`dsplug.descriptors.PluginSpec` of its category. Importing the
-plugin module and calling these hooks must be cheap (no torch work, no compilation): heavy
-imports belong inside the ``factory``. The factory contract per category:
+There are three kinds of hook:
 
-=================  ===============================================================================
-accelerator        ``factory() -> Accelerator`` (see :mod:`dsplug.accelerator`);
-                   ``extra={"priority": int}``: the highest-priority available one is picked
-optimizer          ``factory(params, config, context) -> torch.optim.Optimizer``;
-                   ``config`` is the parsed ``optimizer.params`` (an instance of ``schema``)
-scheduler          ``factory(optimizer, config, context) -> scheduler`` with ``step()``,
-                   ``get_last_lr()``, ``state_dict()``, ``load_state_dict()``
-precision          ``factory(config, context) -> precision`` for the section it owns
-zero_stage         ``factory(module, param_groups, build_optimizer, precision, config, context)
-                   -> stage`` for ``zero_optimization.stage``: owns gradients -> update -> weights
-offload_device     ``factory(config, context) -> device`` for ``offload_*.device``
-monitor            ``factory(config, context) -> observer`` (an object with lifecycle hookimpls)
-compression        ``factory(config, context) -> method``
-observer           ``factory(config, context) -> observer`` (profilers, loggers)
-section            no factory: the plugin only owns the schema of ``section``
-=================  ===============================================================================
+* **Category hooks** (``dsplug_optimizers`` ...) describe what a plugin provides. Each returns a
+  list of :class:`dsplug.PluginSpec`; the config value that selects a plugin is matched against
+  ``spec.name``. Importing the plugin module and calling these hooks must be cheap (no torch
+  work, no compilation): heavy imports belong inside the ``factory``. What each factory builds
+  is a contract class in :mod:`dsplug.contracts` (its docstrings say what the engine calls and
+  when).
+* **Service hooks** (``dsplug_cli_commands``, ``dsplug_api_modules``, ``dsplug_estimate_*``,
+  ``dsplug_auto_value``) let a plugin extend the kernel's own services: the command line,
+  DeepSpeed's import paths, memory estimates and Hugging Face ``"auto"`` values.
+* **Lifecycle hooks** (``dsplug_engine_built`` ...) are events of one engine. They are called
+  on the engine's own event bus, which holds: the observers and monitors the config enabled;
+  the parts the engine built that subclass a contract with checkpoint state (ZeRO stage,
+  precision, compression methods); and every registered plugin that implements a lifecycle hook
+  at module level. They must not raise for ordinary training events; when one does, the error
+  names the plugin and the hook.
 
-``context`` is the engine's :class:`dsplug.context.BuildContext` (accelerator, comm, config,
-rank, world size, model): plugins talk to the world through it, never through globals.
-
-Lifecycle hooks
----------------
-Observers built by monitor / observer factories, and any registered plugin that implements these
-directly, are called by every engine. They must not raise for ordinary training events.
+``context`` below is the engine's :class:`dsplug.context.BuildContext` (accelerator, comm,
+config, rank, world size, model, registry): plugins talk to the world through it, never through
+globals.
 """
 from __future__ import annotations
 
@@ -63,55 +57,141 @@ CATEGORY_HOOKS = {
 
 
 class CategorySpecs:
-    """One hook per plugin category; each returns ``list[PluginSpec]``."""
+    """One hook per plugin category; each returns ``list[PluginSpec]`` of that category."""
 
     @hookspec
     def dsplug_accelerators(self):
-        """Device backends (cpu, cuda, ...)."""
+        """Device backends. ``factory() -> dsplug.contracts.Accelerator``.
+
+        The backend named by ``DSPLUG_ACCELERATOR`` (or ``DS_ACCELERATOR``) is used; otherwise the
+        available one (``is_available()``) with the highest ``spec.priority``.
+        """
 
     @hookspec
     def dsplug_optimizers(self):
-        """Optimizers selectable by ``optimizer.type``."""
+        """Optimizers selected by ``optimizer.type``.
+
+        ``factory(param_groups, params, context) -> torch.optim.Optimizer`` where ``params`` is the
+        parsed ``optimizer.params`` (an instance of ``spec.schema``; its fields are the keys a user
+        may write, checked strictly). The ZeRO stage decides which tensors the optimizer steps
+        (fp32 master partitions at stages 1-3). ``spec.states_per_param`` feeds memory estimates.
+        """
 
     @hookspec
     def dsplug_schedulers(self):
-        """LR schedulers selectable by ``scheduler.type``."""
+        """LR schedulers selected by ``scheduler.type``.
+
+        ``factory(optimizer, params, context) -> dsplug.contracts.LRScheduler``. The engine calls
+        ``step()`` once per applied optimizer step; its state is saved with every checkpoint.
+        """
 
     @hookspec
     def dsplug_precisions(self):
-        """Precision modes (fp32, fp16, bf16, amp), each owning its config section."""
+        """Precision modes, each owning its config section (``fp16``, ``bf16``, ``amp``).
+
+        ``factory(section, context) -> dsplug.contracts.Precision``. The mode whose section has
+        ``enabled: true`` is used, else the spec with ``default=True`` (fp32).
+        """
 
     @hookspec
     def dsplug_zero_stages(self):
-        """ZeRO stages selectable by ``zero_optimization.stage``."""
+        """ZeRO stages, selected by the section spec whose ``selects`` is ``("zero_stage", field)``
+        (``zero_optimization.stage``).
+
+        ``factory(module, param_groups, build_optimizer, precision, section, context) ->
+        dsplug.contracts.ZeroStage``. ``build_optimizer(groups)`` builds the configured (or client)
+        optimizer over the groups the stage chooses. The stage owns the path gradients -> update
+        -> weights, and the module's and optimizer's checkpoint state.
+        """
 
     @hookspec
     def dsplug_offload_devices(self):
-        """Offload targets selectable by ``offload_optimizer.device`` / ``offload_param.device``."""
+        """Offload targets, selected by ``offload_optimizer.device`` / ``offload_param.device``.
+
+        ``factory(section, context) -> dsplug.contracts.OffloadDevice``. ZeRO stages build them.
+        """
 
     @hookspec
     def dsplug_monitors(self):
-        """Metric sinks (tensorboard, csv_monitor, wandb, comet), each owning its section."""
+        """Metric sinks (tensorboard, csv_monitor, wandb, comet), each owning its section.
+
+        ``factory(section, context) -> dsplug.contracts.Monitor`` (or None when disabled). The
+        monitor joins the engine's event bus.
+        """
 
     @hookspec
     def dsplug_compression_methods(self):
-        """Compression methods under ``compression_training``."""
+        """Compression methods, selected by their key under ``compression_training``.
+
+        ``spec.name`` is the key (``"weight_quantization"``); ``spec.schema`` parses its value.
+        ``factory(section, context) -> dsplug.contracts.CompressionMethod``; the engine applies
+        ``compress(model)`` at initialize and joins the method to its event bus.
+        """
 
     @hookspec
     def dsplug_observers(self):
-        """Training observers (flops profiler, comms logger) owning their sections."""
+        """Training observers (profilers, loggers) owning their sections.
+
+        ``factory(section, context) -> dsplug.contracts.Observer`` (or None when disabled).
+        """
 
     @hookspec
     def dsplug_config_sections(self):
-        """Config sections owned by a plugin that is not itself a selectable feature."""
+        """Config sections owned by a plugin that is not itself a selectable feature (no factory).
+
+        A section spec may set ``selects=(category, field)`` to name the field that selects a
+        plugin of another category.
+        """
+
+
+class ServiceSpecs:
+    """Hooks that extend the kernel's services."""
+
+    @hookspec
+    def dsplug_cli_commands(self):
+        """Subcommands of the ``dsplug`` command: a list of :class:`dsplug.descriptors.CliCommand`.
+
+        Called when the command line is built, so keep it cheap. Two plugins contributing the same
+        command name is reported and the later one skipped.
+        """
+
+    @hookspec
+    def dsplug_api_modules(self):
+        """DeepSpeed import paths this plugin provides: a list of :class:`dsplug.descriptors.ApiModule`.
+
+        ``ApiModule("dsplug.zero", "my_pkg.zero_api")``: ``dsplug.zero.Init`` resolves to
+        ``my_pkg.zero_api.Init`` on first use. The kernel must hold a forwarding module at ``path``
+        (see :func:`dsplug.public.forward_to_plugin`).
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_estimate_model_state_bytes(self, num_params, world_size, config):
+        """Per-rank bytes of model states for ``config`` (``dsplug config explain``).
+
+        ``num_params``: the model's parameter count; ``world_size``: data-parallel ranks;
+        ``config``: the :class:`dsplug.DsplugConfig`. Return a dict with at least ``total`` (and
+        any breakdown: ``parameters``, ``gradients``, ``optimizer_states``), or None when this
+        plugin does not own the estimate. The first non-None answer wins (firstresult).
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_auto_value(self, path, hidden_size):
+        """The value of an ``"auto"`` key derived from the model (Hugging Face's convention).
+
+        ``path``: the dotted JSON path (``"zero_optimization.reduce_bucket_size"``);
+        ``hidden_size``: the model's hidden size. Return the value, or None if not yours.
+        """
 
 
 class LifecycleSpecs:
-    """Events of a training run. Every argument is passed by keyword."""
+    """Events of one engine's training run. Every argument is passed by keyword."""
 
-    @hookspec
+    @hookspec(historic=True)
     def dsplug_engine_built(self, engine):
-        """The engine is fully constructed (model, optimizer, scheduler, precision in place)."""
+        """The engine is fully constructed (model, optimizer, scheduler, precision in place).
+
+        Historic: an observer joining the bus later (``engine.add_observer``) still receives it.
+        """
 
     @hookspec
     def dsplug_forward_begin(self, engine):
@@ -126,21 +206,41 @@ class LifecycleSpecs:
         """An optimizer step (at a gradient-accumulation boundary) finished.
 
         ``metrics`` maps names to floats: ``loss`` (mean over the accumulated micro-steps),
-        ``lr``, ``loss_scale`` (when mixed precision scales), ``global_samples``,
-        ``global_steps``, ``skipped`` (1.0 if an overflow skipped the step) and, with
-        ``wall_clock_breakdown``, ``forward_ms`` / ``backward_ms`` / ``step_ms``.
+        ``lr``, ``global_samples``, ``global_steps``, ``skipped`` (1.0 if the step was skipped),
+        what the precision adds (``loss_scale`` when it scales) and, with
+        ``wall_clock_breakdown``, ``forward_ms`` / ``backward_ms`` / ``step_ms``. Implementations
+        may add keys for those called after them (call order is pluggy's: last registered first).
         """
 
     @hookspec
-    def dsplug_checkpoint_state(self, engine):
-        """Return a dict of extra state to save with a checkpoint (or None). It is saved under this
-        observer's name and handed back by ``dsplug_load_checkpoint_state``; keep it to tensors and
-        plain Python values (checkpoints load with ``weights_only=True``)."""
+    def dsplug_checkpoint_state(self, engine, scope, options):
+        """Contribute state to a checkpoint being saved: return ``{key: state}`` or None.
+
+        Called on every rank, once per ``scope``:
+
+        * ``"model"``: the shared file, written by rank 0 only (state that is the same on every
+          rank: module weights, scheduler, schedules). Collectives are allowed here (ZeRO-3
+          gathers its partitions); every rank is called.
+        * ``"rank"``: this rank's own file (partitions, per-rank buffers).
+
+        Keys are yours to choose and share one namespace per file: prefix them with your plugin
+        name. Two implementations returning the same key is an error naming both. Values must be
+        tensors and plain Python data (checkpoints load with ``weights_only=True``).
+        ``options`` is a :class:`dsplug.contracts.SaveOptions` (tag, ``exclude_frozen_parameters``).
+        """
 
     @hookspec
-    def dsplug_load_checkpoint_state(self, engine, state):
-        """A checkpoint is being loaded: ``state`` is what this observer returned when it was saved."""
+    def dsplug_load_checkpoint_state(self, engine, checkpoint):
+        """A checkpoint is being loaded; take back what you saved.
+
+        ``checkpoint`` is a :class:`dsplug.contracts.CheckpointView`: ``model`` (the shared file's
+        dict), ``rank`` (this rank's file's dict), ``saved_world_size``, ``read_rank(r)`` (another
+        rank's dict, to re-slice partitions saved at another world size) and ``options`` (the
+        ``load_checkpoint`` flags). A key you look for may be absent (a checkpoint from before
+        your plugin was installed): leave your state as it is then. Parts that must load first
+        (the module, before optimizer state) use ``@hookimpl(tryfirst=True)``.
+        """
 
     @hookspec
     def dsplug_engine_closed(self, engine):
-        """The engine is being torn down: flush and close files."""
+        """The engine is being torn down: flush and close files, remove hooks."""

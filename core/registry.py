@@ -18,8 +18,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import pluggy
 
-from .descriptors import CATEGORIES, PluginSpec, Provided
-from .hookspecs import CATEGORY_HOOKS, PROJECT, CategorySpecs, LifecycleSpecs
+from .descriptors import CATEGORIES, ApiModule, CliCommand, PluginSpec, Provided
+from .hookspecs import CATEGORY_HOOKS, PROJECT, CategorySpecs, LifecycleSpecs, ServiceSpecs
 
 if sys.version_info >= (3, 10):
     from importlib.metadata import entry_points as _entry_points
@@ -76,6 +76,7 @@ class Registry:
     def __init__(self, blocked: Optional[Iterable[str]] = None, entry_points=None):
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(CategorySpecs)
+        self.pm.add_hookspecs(ServiceSpecs)
         self.pm.add_hookspecs(LifecycleSpecs)
         self.blocked = tuple(blocked) if blocked is not None else blocked_from_env()
         self._blocked_lower = {_norm(b) for b in self.blocked}
@@ -84,6 +85,7 @@ class Registry:
         self._origin: Dict[int, Tuple[str, str, str]] = {}  # id(plugin) -> (dist, version, ep)
         self._by_category: Dict[str, Dict[str, Provided]] = {c: {} for c in CATEGORIES}
         self._all: List[Provided] = []
+        self._api_modules: Optional[Dict[str, Tuple[ApiModule, Tuple[str, str, str]]]] = None
         self._load(_dsplug_entry_points() if entry_points is None else entry_points)
         self._collect()
 
@@ -106,7 +108,7 @@ class Registry:
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:  # a broken third-party plugin must not take the kernel down
+            except (Exception, SystemExit) as exc:  # a broken third-party plugin must not take the kernel down
                 self._broken(ep.name, dist_name, exc)
                 continue
             if self.pm.is_registered(plugin):
@@ -117,35 +119,61 @@ class Registry:
                 self._broken(ep.name, dist_name, exc)
                 continue
             self._origin[id(plugin)] = (dist_name, version, ep.name)
+            self._check_hook_names(plugin, ep.name, dist_name)
 
-    def _broken(self, entry_point: str, distribution: str, exc: BaseException) -> None:
+    def _check_hook_names(self, plugin, entry_point: str, distribution: str) -> None:
+        """Report ``dsplug_*`` functions that pluggy will never call: a name that matches no hook
+        (misspelled), or a hook function missing its ``@hookimpl`` marker."""
+        known = {n for n in dir(self.pm.hook) if n.startswith("dsplug_")}
+        for attr in dir(plugin):
+            if not attr.startswith("dsplug_") or not callable(getattr(plugin, attr, None)):
+                continue
+            marked = self.pm.parse_hookimpl_opts(plugin, attr) is not None
+            if attr not in known or not self.pm.hook.__dict__[attr].has_spec():
+                guess = suggest(attr, [n for n in known if self.pm.hook.__dict__[n].has_spec()])
+                self._broken(entry_point, distribution, PluginError(
+                    f"{attr} matches no dsplug hook, so it is never called" +
+                    (f"; did you mean {guess}?" if guess else "")), fatal=False)
+            elif not marked:
+                self._broken(entry_point, distribution, PluginError(
+                    f"{attr} is not decorated with @dsplug.hookimpl, so it is never called"), fatal=False)
+
+    def _broken(self, entry_point: str, distribution: str, exc: BaseException, fatal: bool = True) -> None:
+        """Record a problem with a plugin. ``fatal``: the plugin (or the part that failed) is ignored."""
         self.broken.append((entry_point, distribution, f"{type(exc).__name__}: {exc}"))
-        warnings.warn(f"dsplug plugin entry point {entry_point!r} from distribution {distribution!r} failed to "
-                      f"load and is ignored: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+        what = "failed to load and is ignored" if fatal else "has a problem"
+        warnings.warn(f"dsplug plugin entry point {entry_point!r} from distribution {distribution!r} {what}: "
+                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
     def register(self, plugin, distribution: str = "<runtime>", version: str = "0") -> None:
         """Register a plugin object directly (tests, notebooks) and re-collect specs."""
         self.pm.register(plugin, name=f"{distribution}:{getattr(plugin, '__name__', id(plugin))}")
         self._origin[id(plugin)] = (distribution, version, getattr(plugin, "__name__", "?"))
+        self._api_modules = None
         self._collect()
 
     def _collect(self) -> None:
         self._by_category = {c: {} for c in CATEGORIES}
         self._all = []
+        self.conflicts: Dict[Tuple[str, str], str] = {}
         for category, hook_name in CATEGORY_HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
-            for impl in hook.get_hookimpls():
+            # dsplug's own plugins first, then registration order: on a conflict the first claim stays
+            for impl in sorted(hook.get_hookimpls(), key=lambda i: self._origin.get(id(i.plugin), ("",))[0] != PROJECT):
                 origin = self._origin.get(id(impl.plugin), ("<unknown>", "?", impl.plugin_name))
                 try:
-                    specs = impl.function() or []
-                except Exception as exc:  # a plugin whose hook raises is reported, not fatal
+                    specs = list(impl.function() or [])
+                    for spec in specs:
+                        self._check_spec(category, hook_name, spec, origin)
+                except Exception as exc:  # a plugin whose hook raises or returns junk is reported, not fatal
                     self._broken(origin[2], origin[0], exc)
                     continue
                 for spec in specs:
-                    self._add(category, hook_name, spec, origin)
+                    self._add(category, spec, origin)
 
-    def _add(self, category: str, hook_name: str, spec: PluginSpec, origin) -> None:
-        dist, version, ep = origin
+    @staticmethod
+    def _check_spec(category: str, hook_name: str, spec, origin) -> None:
+        dist, _version, ep = origin
         if not isinstance(spec, PluginSpec):
             raise PluginError(
                 f"plugin {ep!r} from distribution {dist!r} returned {spec!r} from {hook_name}; "
@@ -156,20 +184,32 @@ class Registry:
                 f"plugin {ep!r} from distribution {dist!r} returned a {spec.category!r} spec "
                 f"named {spec.name!r} from {hook_name}, which is for category {category!r}"
             )
+
+    def _add(self, category: str, spec: PluginSpec, origin) -> None:
+        """Add one spec. A name (or section) already claimed by another distribution is a conflict:
+        the later claim is skipped and reported, and selecting that name is an error naming both."""
+        dist, version, ep = origin
         if self._is_blocked(spec.name, f"{category}:{spec.name}"):
             self.skipped.append((f"{category}:{spec.name} ({dist})", BLOCK_ENV))
             return
         provided = Provided(spec=spec, distribution=dist, version=version, entry_point=ep)
         table = self._by_category[category]
+        claims = [(category, _norm(n), f"the {category} name {n!r}", table.get(_norm(n))) for n in spec.names()]
+        if spec.section:
+            owner = next((p for p in self._all if p.spec.section == spec.section), None)
+            claims.append(("section", spec.section, f"the config section {spec.section!r}", owner))
+        clashes = [(key, what, other) for kind, key, what, other in claims if other is not None and other.spec is not spec]
+        if clashes:
+            for key, what, other in clashes:
+                kind = "section" if what.startswith("the config section") else category
+                message = (f"two plugins claim {what}: {other.category}:{other.name} from distribution "
+                           f"{other.distribution!r} (entry point {other.entry_point!r}) and {category}:{spec.name} "
+                           f"from distribution {dist!r} (entry point {ep!r}). Uninstall one, or block one with "
+                           f"{BLOCK_ENV}={ep}")
+                self.conflicts[(kind, key)] = message
+                self._broken(ep, dist, PluginConflictError(message))
+            return
         for name in spec.names():
-            other = table.get(_norm(name))
-            if other is not None and other.spec is not spec:
-                raise PluginConflictError(
-                    f"two plugins claim the {category} name {name!r}: one from distribution "
-                    f"{other.distribution!r} (entry point {other.entry_point!r}) and one from "
-                    f"distribution {dist!r} (entry point {ep!r}). Uninstall one, or block one "
-                    f"with {BLOCK_ENV}={ep}"
-                )
             table[_norm(name)] = provided
         self._all.append(provided)
 
@@ -190,6 +230,9 @@ class Registry:
 
         ``what`` names the config key that asked (``"optimizer.type"``) for the message.
         """
+        conflict = self.conflicts.get((category, _norm(name)))
+        if conflict is not None:
+            raise PluginConflictError(conflict)
         found = self.find(category, name)
         if found is not None:
             return found
@@ -217,20 +260,70 @@ class Registry:
 
     def sections(self) -> Dict[str, Provided]:
         """Top-level config section -> the plugin that owns its schema."""
-        owners: Dict[str, Provided] = {}
-        for provided in self._all:
-            section = provided.spec.section
-            if section is None:
+        return {p.spec.section: p for p in self._all if p.spec.section is not None}
+
+    # ---------------------------------------------------------------- services
+    def origin(self, plugin) -> Tuple[str, str, str]:
+        """``(distribution, version, entry point)`` of a registered plugin object."""
+        return self._origin.get(id(plugin), ("<unknown>", "?", self.pm.get_name(plugin) or "?"))
+
+    def _service_results(self, hook_name: str, kind: type):
+        """``(item, origin)`` for every item the service hook returns; a plugin whose hook raises
+        or returns something else is reported as broken, not fatal."""
+        out = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            origin = self.origin(impl.plugin)
+            try:
+                items = list(impl.function() or [])
+                bad = [i for i in items if not isinstance(i, kind)]
+                if bad:
+                    raise PluginError(f"{hook_name} returned {bad[0]!r}; expected {kind.__module__}.{kind.__name__}")
+            except Exception as exc:  # noqa: BLE001 - one bad plugin never takes dsplug down
+                self._broken(origin[2], origin[0], exc)
                 continue
-            if section in owners and owners[section].spec is not provided.spec:
-                other = owners[section]
-                raise PluginConflictError(
-                    f"two plugins claim the config section {section!r}: {other.category}:{other.name} "
-                    f"from distribution {other.distribution!r} and {provided.category}:{provided.name} "
-                    f"from distribution {provided.distribution!r}"
-                )
-            owners[section] = provided
-        return owners
+            out.extend((item, origin) for item in items)
+        return out
+
+    def cli_commands(self) -> List[Tuple[CliCommand, Tuple[str, str, str]]]:
+        """Subcommands plugins contribute, first claim of each name kept."""
+        seen: Dict[str, Tuple[str, str, str]] = {}
+        out = []
+        for command, origin in self._service_results("dsplug_cli_commands", CliCommand):
+            if command.name in seen:
+                self._broken(origin[2], origin[0], PluginConflictError(
+                    f"the command 'dsplug {command.name}' is already provided by distribution {seen[command.name][0]!r}"))
+                continue
+            seen[command.name] = origin
+            out.append((command, origin))
+        return out
+
+    def api_modules(self) -> Dict[str, Tuple[ApiModule, Tuple[str, str, str]]]:
+        if self._api_modules is None:
+            table: Dict[str, Tuple[ApiModule, Tuple[str, str, str]]] = {}
+            for module, origin in self._service_results("dsplug_api_modules", ApiModule):
+                if module.path in table:
+                    self._broken(origin[2], origin[0], PluginConflictError(
+                        f"the import path {module.path} is already provided by distribution {table[module.path][1][0]!r}"))
+                    continue
+                table[module.path] = (module, origin)
+            self._api_modules = table
+        return self._api_modules
+
+    def api_module(self, path: str):
+        """The plugin module that provides the public import path ``path``."""
+        import importlib
+
+        found = self.api_modules().get(path)
+        if found is None:
+            blocked = f" ({', '.join(w for w, _ in self.skipped)} blocked by {BLOCK_ENV})" if self.skipped else ""
+            raise ImportError(f"{path} is provided by a plugin, and no installed plugin provides it{blocked}. "
+                              "`dsplug list` shows what is installed.")
+        module, origin = found
+        try:
+            return importlib.import_module(module.target)
+        except ImportError as exc:
+            raise ImportError(f"{path} is provided by {module.target} (distribution {origin[0]!r}), which failed "
+                              f"to import: {exc}") from exc
 
     def lifecycle_plugins(self) -> List[object]:
         """Registered plugins that implement any lifecycle hook directly."""

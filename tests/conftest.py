@@ -8,8 +8,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# CI runs the same examples every time (a failure there reproduces here); DSPLUG_HYPOTHESIS=random
+# explores new ones.
+settings.register_profile("dsplug", derandomize=os.environ.get("DSPLUG_HYPOTHESIS") != "random",
+                          print_blob=True)
+settings.load_profile("dsplug")
 
 
 def write_distribution(site: Path, name: str, version: str, entry_points: dict, modules: dict) -> Path:

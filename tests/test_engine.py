@@ -123,6 +123,8 @@ def test_fp16_overflow_skips_step_lowers_scale_and_is_logged(caplog):
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
               "fp16": {"enabled": True, "initial_scale_power": 6, "hysteresis": 2, "loss_scale_window": 1000}}
     model_before = make_model(0)
+    import dsplug.logging  # noqa: F401  (configures the logger first, so the line below sticks)
+
     with caplog.at_level(logging.INFO, logger="dsplug"):
         logger = logging.getLogger("dsplug")
         logger.propagate = True
@@ -343,12 +345,12 @@ class _Counter:
         self.steps += 1
 
     @dsplug.hookimpl
-    def dsplug_checkpoint_state(self, engine):
-        return {"steps": self.steps}
+    def dsplug_checkpoint_state(self, engine, scope):
+        return {"counter.steps": self.steps} if scope == "model" else {"counter.rank": engine.global_rank}
 
     @dsplug.hookimpl
-    def dsplug_load_checkpoint_state(self, engine, state):
-        self.restored = state
+    def dsplug_load_checkpoint_state(self, checkpoint):
+        self.restored = (checkpoint.model["counter.steps"], checkpoint.rank["counter.rank"])
 
 
 def test_observer_state_is_saved_and_handed_back(tmp_path):
@@ -365,7 +367,39 @@ def test_observer_state_is_saved_and_handed_back(tmp_path):
         engine.step()
     engine.save_checkpoint(tmp_path)
     Engine(make_model(), {"train_batch_size": 4}, optimizer=sgd, registry=registry).load_checkpoint(tmp_path)
-    assert counter.restored == {"steps": 3}
+    assert counter.restored == (3, 0)
+
+
+class _Clash:
+    @dsplug.hookimpl
+    def dsplug_checkpoint_state(self, scope):
+        return {"module": "mine"} if scope == "model" else None
+
+
+class _Raising:
+    @dsplug.hookimpl
+    def dsplug_step_end(self, metrics):
+        raise ZeroDivisionError("bad observer")
+
+
+def test_checkpoint_key_clash_and_raising_hook_name_the_plugin(tmp_path):
+    from dsplug import checkpoint as ckpt
+    from dsplug.engine import Engine
+    from dsplug.events import PluginHookError
+    from dsplug.registry import Registry
+
+    registry = Registry()
+    registry.register(_Clash(), distribution="clashing-dist")
+    engine = Engine(make_model(), {"train_batch_size": 4}, optimizer=sgd, registry=registry)
+    with pytest.raises(ckpt.CheckpointError, match=r"key 'module' .* contributed twice.*clashing-dist"):
+        engine.save_checkpoint(tmp_path)
+    registry = Registry()
+    registry.register(_Raising(), distribution="raising-dist")
+    engine = Engine(make_model(), {"train_batch_size": 4}, optimizer=sgd, registry=registry)
+    engine.backward(engine(torch.randn(4, 12)).pow(2).mean())
+    with pytest.raises(PluginHookError, match=r"plugin 'raising-dist:.*' raised in dsplug_step_end: "
+                                              r"ZeroDivisionError: bad observer"):
+        engine.step()
 
 
 def _save_fails_on_rank_one(save_dir):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsplug.cli import main as cli_main
-from dsplug.launcher import (
+from dsplug.plugins.launcher import (
     HostfileError,
     execute,
     LaunchError,
@@ -25,9 +25,9 @@ from dsplug.launcher import (
     read_hostfile,
     select_resources,
 )
-from dsplug.launcher import shim
-from dsplug.launcher.envfile import parse_env_text
-from dsplug.launcher.plan import exit_status
+from dsplug.plugins.launcher import shim
+from dsplug.plugins.launcher.envfile import parse_env_text
+from dsplug.plugins.launcher.plan import exit_status
 from tests.conftest import free_port
 
 POOL = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
@@ -219,10 +219,10 @@ def test_single_node_plan_is_local_torchrun(tmp_path):
     assert not plan.multi_node and plan.resources == {"localhost": [0, 1]}
     (node,) = plan.nodes
     assert node.process_argv() == [
-        "/opt/py/bin/python", "-u", "-m", "dsplug.launcher.torchrun",
+        "/opt/py/bin/python", "-u", "-m", "dsplug.plugins.launcher.torchrun",
         "--nnodes", "1", "--nproc_per_node", "2", "--node_rank", "0",
         "--master_addr", "127.0.0.1", "--master_port", "1234",
-        "-m", "dsplug.launcher.shim", "train.py", "--lr", "0.1",
+        "-m", "dsplug.plugins.launcher.shim", "train.py", "--lr", "0.1",
     ]  # fmt: skip
     assert node.env == {}
 
@@ -233,8 +233,8 @@ def test_single_node_plan_is_local_torchrun(tmp_path):
         ({"local_rank_arg": False}, ["s.py", "a"]),
         ({"local_rank_arg": False, "module": True}, ["-m", "s.py", "a"]),
         ({"local_rank_arg": False, "no_python": True}, ["--no-python", "s.py", "a"]),
-        ({"module": True}, ["-m", "dsplug.launcher.shim", "--module", "s.py", "a"]),
-        ({"no_python": True}, ["-m", "dsplug.launcher.shim", "--no_python", "s.py", "a"]),
+        ({"module": True}, ["-m", "dsplug.plugins.launcher.shim", "--module", "s.py", "a"]),
+        ({"no_python": True}, ["-m", "dsplug.plugins.launcher.shim", "--no_python", "s.py", "a"]),
     ],
 )
 def test_worker_target_modes(tmp_path, flags, tail):
@@ -325,10 +325,10 @@ def test_multi_node_commands_quote_everything(tmp_path):
             expected_env.append("CUDA_VISIBLE_DEVICES=1,2")
         assert shlex.split(ssh_argv[-1]) == [
             "cd", cwd, "&&", "env", *expected_env,
-            "/opt/py/bin/python", "-u", "-m", "dsplug.launcher.torchrun",
+            "/opt/py/bin/python", "-u", "-m", "dsplug.plugins.launcher.torchrun",
             "--nnodes", "2", "--nproc_per_node", str(len(slots)), "--node_rank", str(node.node_rank),
             "--master_addr", "node-1", "--master_port", "2900",
-            "-m", "dsplug.launcher.shim", "my script.py", *HOSTILE_ARGS,
+            "-m", "dsplug.plugins.launcher.shim", "my script.py", *HOSTILE_ARGS,
         ]  # fmt: skip
 
 

@@ -207,8 +207,8 @@ def test_csv_rows_reach_a_reader_while_training(tmp_path):
     from dsplug.plugins.monitors.csv_monitor import CsvMonitor
 
     observer = CsvMonitor(str(tmp_path), flush_interval_s=0.0)
-    observer.dsplug_step_end(engine=None, metrics=STEPS[0])
-    observer.dsplug_step_end(engine=None, metrics=STEPS[1])
+    observer.dsplug_step_end(metrics=STEPS[0])
+    observer.dsplug_step_end(metrics=STEPS[1])
     want = [["step", "train_loss"], ["8", "2.5"], ["16", "1.75"]]
     deadline = time.monotonic() + 10  # the writer thread gets there without a flush or close
     while _read_csv_dir(tmp_path).get("Train_Samples_train_loss.csv") != want and time.monotonic() < deadline:
@@ -232,7 +232,7 @@ def test_step_end_only_queues_and_writer_errors_surface(tmp_path):
         real_write(events)
 
     observer._write = slow_write
-    observer.dsplug_step_end(engine=None, metrics=STEPS[0])
+    observer.dsplug_step_end(metrics=STEPS[0])
     # step_end returned while the writer is still blocked: nothing is written yet
     assert ["8", "2.5"] not in _read_csv_dir(tmp_path).get("Train_Samples_train_loss.csv", [])
     gate.set()
@@ -243,7 +243,7 @@ def test_step_end_only_queues_and_writer_errors_surface(tmp_path):
         raise OSError("disk full")
 
     observer._write = failing_write
-    observer.dsplug_step_end(engine=None, metrics=STEPS[1])
+    observer.dsplug_step_end(metrics=STEPS[1])
     with pytest.raises(RuntimeError, match="csv_monitor monitor failed to write: OSError: disk full"):
         observer.flush()
     observer.close()

@@ -418,3 +418,21 @@ def test_disable_env_forces_fallback_with_one_warning(native, monkeypatch):
     _train(fast, b)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert_rel(pa.detach(), pb.detach())
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_fallback_adam_matches_torch_optim(adamw, moments):
+    """The fallback takes torch's fused kernel for fp32 tensors and the element-wise path otherwise;
+    both follow torch.optim.AdamW / Adam."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen) for _ in range(5)]
+    p, m, v = base.clone(), torch.zeros(1000, dtype=moments), torch.zeros(1000, dtype=moments)
+    ref = torch.nn.Parameter(base.clone())
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    for step, g in enumerate(grads, 1):
+        FALLBACK["adam"].adam_update(p, g, m, v, step=step, lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+        ref.grad = g.clone()
+        opt.step()
+    assert_rel(p, ref.detach(), rtol=1e-6 if moments == torch.float32 else 2e-3, what="fallback vs torch.optim")

@@ -78,7 +78,7 @@ def train(optimizer, params, model, steps: int, seed: int, skip_last_on_odd_step
     return params
 
 
-def assert_params_close(actual, expected, rtol=1e-6, atol=1e-7):
+def assert_params_close(actual, expected, rtol=1e-6, atol=5e-7):  # atol: a few fp32 ulps near 1
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a.detach(), e.detach().to(a.dtype), rtol=rtol, atol=atol)
 

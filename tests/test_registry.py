@@ -68,8 +68,13 @@ def test_dsplug_list_reports_third_party_distribution(temp_site, clean_env):
 def test_conflicting_names_error_names_both_distributions(temp_site, clean_env):
     write_distribution(temp_site, "frob-one", "1.0", {"frob1": "frob_one"}, {"frob_one": FROB})
     write_distribution(temp_site, "frob-two", "1.0", {"frob2": "frob_two"}, {"frob_two": FROB})
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        registry = Registry()  # the conflict is reported, and the rest keeps working
+    assert [b[1] for b in registry.broken] in (["frob-one"], ["frob-two"])
+    assert registry.get("accelerator", "cpu")
     with pytest.raises(PluginConflictError) as err:
-        Registry()
+        registry.get("optimizer", "frobnicate")  # but the contested name cannot be selected
     message = str(err.value)
     assert "'Frobnicate'" in message and "'frob-one'" in message and "'frob-two'" in message
     assert BLOCK_ENV in message
@@ -108,11 +113,41 @@ def test_broken_plugin_is_reported_not_fatal(temp_site, clean_env):
     assert registry.get("accelerator", "cpu")  # the rest still works
 
 
-def test_spec_in_wrong_hook_is_rejected(temp_site, clean_env):
+def test_spec_in_wrong_hook_is_reported_and_skipped(temp_site, clean_env):
     source = FROB.replace("def dsplug_optimizers", "def dsplug_schedulers")
     write_distribution(temp_site, "confused", "1.0", {"confused": "confused_plugin"}, {"confused_plugin": source})
-    with pytest.raises(Exception, match=r"returned a 'optimizer' spec named 'Frobnicate' from dsplug_schedulers"):
-        Registry()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        registry = Registry()
+    assert "returned a 'optimizer' spec named 'Frobnicate' from dsplug_schedulers" in registry.broken[0][2]
+    assert registry.find("scheduler", "Frobnicate") is None and registry.get("scheduler", "WarmupLR")
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("wrong_type", "returned 'Frobnicate' from dsplug_optimizers; expected dsplug.PluginSpec"),
+    ("sys_exit", "SystemExit: 3"),
+    ("misspelled", "dsplug_optimisers matches no dsplug hook, so it is never called; did you mean dsplug_optimizers?"),
+    ("unmarked", "dsplug_monitors is not decorated with @dsplug.hookimpl"),
+    ("bad_signature", "dsplug_step_end"),
+])
+def test_a_faulty_plugin_is_reported_and_the_rest_keeps_working(temp_site, clean_env, fault, expected):
+    source = {
+        "wrong_type": FROB.replace("    return [PluginSpec(", "    return ['Frobnicate', PluginSpec("),
+        "sys_exit": "import sys\nsys.exit(3)\n",
+        "misspelled": FROB.replace("def dsplug_optimizers", "def dsplug_optimisers"),
+        "unmarked": FROB + "\ndef dsplug_monitors():\n    return []\n",
+        "bad_signature": FROB + "\n@hookimpl\ndef dsplug_step_end(engine, metrics, surprise):\n    pass\n",
+    }[fault]
+    write_distribution(temp_site, "faulty-dist", "0.1", {"faulty": "faulty_plugin"}, {"faulty_plugin": source})
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        registry = Registry()
+    problems = [text for ep, dist, text in registry.broken if dist == "faulty-dist"]
+    assert any(expected in text for text in problems), problems
+    assert registry.get("optimizer", "adamw") and registry.get("accelerator", "cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(temp_site), os.environ.get("PYTHONPATH", "")]))
+    listed = subprocess.run([sys.executable, "-m", "dsplug.cli", "list"], env=env, capture_output=True, text=True)
+    assert listed.returncode == 0 and "faulty-dist" in listed.stdout, listed.stderr
 
 
 def test_plugin_whose_hook_raises_is_reported_not_fatal(temp_site, clean_env):

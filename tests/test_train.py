@@ -17,13 +17,13 @@ import torch
 from dsplug.cli import build_parser
 from dsplug.cli import main as cli_main
 from dsplug.logging import logger as dsplug_logger
-from dsplug.train import corpus_gen
-from dsplug.train.data import CharVocab, CharWindows, batches_from, read_builtin_corpus, split_tokens
-from dsplug.train.job_config import auto_warmup_steps, prepare_config
-from dsplug.train.loop import main as train_main
-from dsplug.train.model import CharTransformer, ModelConfig
-from dsplug.train.options import worker_argv
-from dsplug.train.progress import ProgressBar
+from dsplug.plugins.train import corpus_gen
+from dsplug.plugins.train.data import CharVocab, CharWindows, batches_from, read_builtin_corpus, split_tokens
+from dsplug.plugins.train.job_config import auto_warmup_steps, prepare_config
+from dsplug.plugins.train.loop import main as train_main
+from dsplug.plugins.train.model import CharTransformer, ModelConfig
+from dsplug.plugins.train.options import worker_argv
+from dsplug.plugins.train.progress import ProgressBar
 
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--sample-chars", "20"]
 LOSS_CSV = "Train_Samples_train_loss.csv"
@@ -287,7 +287,7 @@ def test_progress_on_a_terminal_redraws_one_line_and_clears_it_for_log_messages(
 def test_resume_without_output_dir_picks_the_newest_run(tmp_path, monkeypatch):
     import datetime
 
-    from dsplug.train.loop import default_output_dir, newest_resumable_run
+    from dsplug.plugins.train.loop import default_output_dir, newest_resumable_run
 
     monkeypatch.chdir(tmp_path)
     assert newest_resumable_run() is None

@@ -524,7 +524,9 @@ def test_ignore_unused_parameters(stage):
 
 def test_stage0_has_no_memory_report_yet():
     engine = dsplug.initialize(model=make_model(), optimizer=adamw, config={"train_batch_size": 4})[0]
-    with pytest.raises(NotImplementedError, match="stage 0"):
+    from dsplug.contracts.zero_stage import ZeroStageError
+
+    with pytest.raises(ZeroStageError, match="stage 0"):
         engine.model_state_memory()
 
 

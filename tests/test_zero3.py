@@ -437,7 +437,9 @@ def test_gathered_parameters_without_modifier_rank_discards_changes():
         assert model[0].weight.numel() == 0
     with GatheredParameters(model[2].weight, fwd_module=model[0]):  # also registered as external to model[0]
         assert model[2].weight.shape == (HIDDEN, HIDDEN)
-    assert dsplug.zero.external.external_parameters(model[0]) == [model[2].weight]
+    from dsplug.plugins.zero.stage3.external import external_parameters
+
+    assert external_parameters(model[0]) == [model[2].weight]
     plain = torch.nn.Linear(2, 2)
     with GatheredParameters(plain.weight, modifier_rank=0):  # not partitioned: nothing to do
         assert plain.weight.shape == (2, 2)
@@ -469,7 +471,7 @@ def test_unsupported_options_are_refused_with_the_key_named():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_consolidate_rebuilds_full_values_from_either_layout(layout, world):
     from dsplug.plugins.zero.stage3.checkpoint import consolidate
-    from dsplug.zero.partitioned_param import piece_of
+    from dsplug.plugins.zero.stage3.partitioned_param import piece_of
 
     shapes = [torch.Size([3, 5]), torch.Size([7]), torch.Size([1]), torch.Size([2, 2])]
     g = torch.Generator().manual_seed(1)

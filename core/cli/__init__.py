@@ -1,28 +1,43 @@
 """The ``dsplug`` command line.
 
-Every ``dsplug/cli/cmd_<name>.py`` module is a subcommand: it defines ``add_parser(subparsers)``
-which adds its parser and sets ``func`` (``args -> exit code``) as a default. Subcommand
-modules import heavy things (torch) inside ``func``, so ``dsplug --help`` stays instant.
+The kernel's own commands (``list``, ``config``, ``report``, ``build-ops``) are the modules named
+in :data:`KERNEL_COMMANDS`; each defines ``add_parser(subparsers)``, which adds its parser and
+sets ``func`` (``args -> exit code``). Every other command comes from a plugin through the
+``dsplug_cli_commands`` hook (:class:`dsplug.descriptors.CliCommand`). Commands import heavy
+things (torch) when they run, so ``dsplug --help`` stays instant.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
 import sys
 
+#: the kernel's commands, by module under dsplug.cli
+KERNEL_COMMANDS = ("cmd_list", "cmd_config", "cmd_report", "cmd_build_ops")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(registry=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsplug", description="DeepSpeed-compatible training engine with plugins")
     from dsplug import __version__
 
     parser.add_argument("--version", action="version", version=f"dsplug {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    package = importlib.import_module(__name__)
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name.startswith("cmd_"):
-            importlib.import_module(f"{__name__}.{info.name}").add_parser(sub)
+    taken = set()
+    for module in KERNEL_COMMANDS:
+        importlib.import_module(f"{__name__}.{module}").add_parser(sub)
+    taken.update(sub.choices)
+    if registry is None:
+        from dsplug.registry import get_registry
+
+        registry = get_registry()
+    for command, origin in sorted(registry.cli_commands(), key=lambda c: c[0].name):
+        if command.name in taken:
+            registry._broken(origin[2], origin[0], ValueError(f"'dsplug {command.name}' is a kernel command"))
+            continue
+        p = sub.add_parser(command.name, help=command.help, description=command.description or command.help)
+        command.add_arguments(p)
+        p.set_defaults(func=command.run)
     return parser
 
 

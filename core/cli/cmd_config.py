@@ -55,9 +55,12 @@ def run_check(args) -> int:
 
 
 def serving_plugins(config):
-    """JSON path -> 'category:name (distribution version)' of who handles it."""
+    """JSON path -> 'category:name (distribution version) module' of who handles it; the module
+    implementing the plugin leads from a config key to its file in one hop."""
+    from dsplug.cli.cmd_list import plugin_module
+
     def who(p):
-        return f"{p.category}:{p.name} ({p.distribution} {p.version})"
+        return f"{p.category}:{p.name} ({p.distribution} {p.version}) {plugin_module(p)}"
 
     out = {}
     for key in config.raw:
@@ -69,31 +72,34 @@ def serving_plugins(config):
             out[key] = who(config.registry.sections()[key])
         else:
             out[key] = "kernel"
-    zero = config.sections.get("zero_optimization")
-    stage = zero.stage if zero is not None else 0
-    stage_plugin = config.registry.find("zero_stage", str(stage))
-    out["zero_optimization.stage"] = who(stage_plugin) if stage_plugin else f"zero stage {stage} (no plugin installed)"
+    for provided, _ in getattr(config, "compression", ()):  # each compression_training key selects a plugin
+        out[f"compression_training.{provided.name}"] = who(provided)
+    # section fields that select a plugin of another category (a section spec's ``selects``)
+    from dsplug.registry import PluginNotFoundError
+
+    for owner in config.registry.sections().values():
+        if not owner.spec.selects:
+            continue
+        category, field_name = owner.spec.selects
+        path = f"{owner.spec.section}.{field_name}"
+        try:
+            provided, _ = config.selection(category)
+            out[path] = who(provided)
+        except PluginNotFoundError:
+            value = getattr(config.section(owner.spec.section), field_name, "?")
+            out[path] = f"{category} {value} (no plugin installed)"
     return out
 
 
 def memory_report(config, num_params: float):
-    """Ask the plugin owning ``zero_optimization`` for its per-rank memory estimate."""
-    owner = config.registry.sections().get("zero_optimization")
-    model_state_bytes = owner.spec.extra.get("memory_estimator") if owner is not None else None
-    if model_state_bytes is None:
-        raise SystemExit("config explain --params: no installed plugin estimates model-state memory "
-                         "(the zero_optimization section's owner provides it)")
-    zero = config.section("zero_optimization")
-    stage = zero.stage if zero is not None else 0
-    half = any(getattr(config.sections.get(s), "enabled", False) is True for s in ("fp16", "bf16"))
-    states = 2
-    if config.optimizer is not None:
-        states = int(config.optimizer.spec.extra.get("states_per_param", 2))
-    return model_state_bytes(
-        int(num_params), config.world_size or 1, stage, half_precision=half, optimizer_states=states,
-        offload_optimizer=zero is not None and zero.offload_optimizer.device != "none",
-        offload_param=zero is not None and zero.offload_param.device != "none",
-    ), stage, half, states
+    """The per-rank model-state estimate of the plugin that owns it (``dsplug_estimate_model_state_bytes``)."""
+    estimate = config.registry.pm.hook.dsplug_estimate_model_state_bytes(
+        num_params=int(num_params), world_size=config.world_size or 1, config=config)
+    if estimate is None:
+        raise SystemExit("config explain --params: no installed plugin estimates model-state memory (the plugin "
+                         "owning the ZeRO stages implements dsplug_estimate_model_state_bytes); `dsplug list` "
+                         "shows what is installed")
+    return estimate
 
 
 def format_bytes(n: float) -> str:
@@ -110,10 +116,11 @@ def run_explain(args) -> int:
         return run_check(args)
     result = {"config": config.to_dict(), "served_by": serving_plugins(config)}
     if args.params:
-        mem, stage, half, states = memory_report(config, args.params)
-        result["memory_per_rank"] = mem
-        result["memory_assumptions"] = {"stage": stage, "mixed_precision": half, "optimizer_states_per_param": states,
-                                        "params": int(args.params), "world_size": args.world_size}
+        estimate = memory_report(config, args.params)
+        result["memory_per_rank"] = {k: v for k, v in estimate.items() if k not in ("assumptions", "summary")}
+        result["memory_assumptions"] = {**estimate.get("assumptions", {}), "params": int(args.params),
+                                        "world_size": args.world_size}
+        summary = estimate.get("summary")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -124,13 +131,15 @@ def run_explain(args) -> int:
         print(f"  {key:<28} {who}")
     if args.params:
         a = result["memory_assumptions"]
-        print(f"\n# model states per rank: {a['params']:,} parameters, ZeRO stage {a['stage']}, "
-              f"{'16-bit mixed precision' if a['mixed_precision'] else 'fp32'}, "
-              f"{a['optimizer_states_per_param']} optimizer states per parameter, {a['world_size']} ranks")
-        for side in ("device", "host"):
-            m = result["memory_per_rank"][side]
-            if m["total"] == 0 and side == "host":
+        print(f"\n# model states per rank: {a['params']:,} parameters, "
+              + (f"{summary}, " if summary else "") + f"{a['world_size']} ranks")
+        sides = [(k, v) for k, v in result["memory_per_rank"].items() if isinstance(v, dict)]
+        if not sides:  # a plugin's estimate without a breakdown by where the bytes live
+            sides = [("total", result["memory_per_rank"])]
+        for side, m in sides:
+            if m.get("total", 0) == 0 and side == "host":
                 continue
-            print(f"  {side:<7} parameters {format_bytes(m['parameters']):>12}  gradients {format_bytes(m['gradients']):>12}"
-                  f"  optimizer states {format_bytes(m['optimizer_states']):>12}  total {format_bytes(m['total']):>12}")
+            parts = [f"{k.replace('_', ' ')} {format_bytes(m[k]):>12}"
+                     for k in ("parameters", "gradients", "optimizer_states") if k in m]
+            print(f"  {side:<7} " + "  ".join(parts + [f"total {format_bytes(m.get('total', 0)):>12}"]))
     return 0

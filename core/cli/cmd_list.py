@@ -1,4 +1,5 @@
-"""``dsplug list``: every discovered plugin with its distribution and native-op status."""
+"""``dsplug list``: every discovered plugin with its distribution, the module that implements
+it (so a config key leads to its file in one hop) and native-op status."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,11 @@ def op_states(names):
     return out
 
 
+def plugin_module(provided) -> str:
+    """The dotted module implementing ``provided`` (see :attr:`dsplug.descriptors.Provided.module`)."""
+    return provided.module
+
+
 def rows(registry, category=None):
     entries = []
     for p in sorted(registry.all(), key=lambda p: (p.category, p.name.lower())):
@@ -43,6 +49,7 @@ def rows(registry, category=None):
                 "distribution": p.distribution,
                 "version": p.version,
                 "entry_point": p.entry_point,
+                "module": plugin_module(p),
                 "ops": list(p.spec.ops),
                 "summary": p.spec.summary,
             }
@@ -68,9 +75,9 @@ def run(args) -> int:
         print(json.dumps({"plugins": entries, "broken": [dict(zip(("entry_point", "distribution", "error"), b)) for b in registry.broken],
                           "blocked": [w for w, _ in registry.skipped]}, indent=2))
         return 0
-    headers = ("CATEGORY", "NAME", "DISTRIBUTION", "VERSION", "NATIVE OPS", "SUMMARY")
+    headers = ("CATEGORY", "NAME", "DISTRIBUTION", "VERSION", "MODULE", "NATIVE OPS", "SUMMARY")
     table = [(e["category"], e["name"] + (f" ({', '.join(e['aliases'])})" if e["aliases"] else ""), e["distribution"],
-              e["version"], _op_text(e["ops"]), e["summary"]) for e in entries]
+              e["version"], e["module"], _op_text(e["ops"]), e["summary"]) for e in entries]
     widths = [max(len(str(r[i])) for r in [headers] + table) for i in range(len(headers) - 1)]
     for r in [headers] + table:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])

@@ -1,9 +1,10 @@
 """``"auto"`` values, as Hugging Face's DeepSpeed integration writes them.
 
 :func:`fill_auto` is the public helper: it replaces ``"auto"`` in a raw config dict from the
-values given (by dotted JSON path or by bare key name) and, given ``hidden_size``, the ZeRO
-sizes DeepSpeed derives from the model (hidden², 0.9·hidden², 10·hidden). Batch sizes left
-``"auto"`` are inferred from the other two and the world size.
+values given (by dotted JSON path or by bare key name) and, given ``hidden_size``, what the
+plugins derive from the model through the ``dsplug_auto_value`` hook (the ZeRO plugin: bucket
+sizes hidden², 0.9·hidden², 10·hidden). Batch sizes left ``"auto"`` are inferred from the other
+two and the world size.
 """
 from __future__ import annotations
 
@@ -12,12 +13,6 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .schema import is_auto
 
-#: ZeRO keys derived from the model's hidden size, and how.
-HIDDEN_SIZE_RULES = {
-    "zero_optimization.reduce_bucket_size": lambda h: h * h,
-    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
-}
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -44,6 +39,7 @@ def fill_auto(
     values: Optional[Mapping[str, Any]] = None,
     *,
     hidden_size: Optional[int] = None,
+    registry=None,
 ) -> Dict[str, Any]:
     """A copy of ``config`` with its ``"auto"`` values filled in.
 
@@ -59,8 +55,14 @@ def fill_auto(
             _set(out, path, values[path])
         elif leaf in values:
             _set(out, path, values[leaf])
-        elif hidden_size is not None and path in HIDDEN_SIZE_RULES:
-            _set(out, path, HIDDEN_SIZE_RULES[path](int(hidden_size)))
+        elif hidden_size is not None:
+            if registry is None:
+                from ..registry import get_registry
+
+                registry = get_registry()
+            derived = registry.pm.hook.dsplug_auto_value(path=path, hidden_size=int(hidden_size))
+            if derived is not None:
+                _set(out, path, derived)
     return out
 
 

@@ -11,14 +11,14 @@ Building a :class:`DsplugConfig` parses and validates everything at once and rai
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import attrs
 
 from ..registry import PluginNotFoundError, get_registry, suggest
 from .auto import BATCH_KEYS, auto_paths, fill_auto
 from .batch import BatchError, implied_world_size, infer_batch
-from .kernel_schema import DOCUMENTED_SECTIONS, KernelConfig
+from .kernel_schema import COMPRESSION_SECTION, DOCUMENTED_COMPRESSION_METHODS, DOCUMENTED_SECTIONS, KernelConfig
 from .loader import load_raw
 from .schema import AUTO, ConfigError, Report, is_auto, parse, to_dict
 
@@ -78,10 +78,12 @@ class DsplugConfig:
         report = Report(where)
         raw = self._rename_legacy_sections(raw, report)
         if auto_values or hidden_size is not None:
-            raw = fill_auto(raw, auto_values, hidden_size=hidden_size)
+            raw = fill_auto(raw, auto_values, hidden_size=hidden_size, registry=self.registry)
         self.raw: Dict[str, Any] = raw
         self.world_size = world_size
         self.sections: Dict[str, Any] = {}
+        #: ``compression_training`` methods in config order: (provided, parsed section)
+        self.compression: List[Tuple[Any, Any]] = []
         self.kernel: KernelConfig = self._parse_kernel(raw, report)
         self.optimizer: Optional[Selected] = self._select("optimizer", "optimizer", report)
         self.scheduler: Optional[Selected] = self._select("scheduler", "scheduler", report)
@@ -134,8 +136,14 @@ class DsplugConfig:
         for key, value in raw.items():
             if key in KERNEL_KEYS:
                 continue
+            if key == COMPRESSION_SECTION:
+                self._parse_compression(value, report)
+                continue
             owner = owners.get(key)
-            if owner is not None:
+            conflict = self.registry.conflicts.get(("section", key))
+            if conflict is not None:
+                report.error(key, conflict)
+            elif owner is not None:
                 if owner.spec.schema is None:
                     report.error(key, f"plugin {owner.category}:{owner.name} owns this section but declares no schema")
                     continue
@@ -152,6 +160,30 @@ class DsplugConfig:
                 guess = suggest(key, known)
                 hint = f"; did you mean {guess!r}?" if guess else ""
                 report.error(key, f"unknown top-level key{hint} (`dsplug config explain` lists the valid keys)")
+
+    def _parse_compression(self, value, report: Report) -> None:
+        """Each key under ``compression_training`` selects the compression plugin of that name."""
+        if not isinstance(value, Mapping):
+            report.error(COMPRESSION_SECTION, f"must be an object mapping compression methods to their settings, "
+                         f"got {type(value).__name__}")
+            return
+        for key, body in value.items():
+            path = f"{COMPRESSION_SECTION}.{key}"
+            provided = self.registry.find("compression", key)
+            if provided is None:
+                if key in DOCUMENTED_COMPRESSION_METHODS:
+                    report.error(path, f"this is DeepSpeed's {DOCUMENTED_COMPRESSION_METHODS[key]} method, but no "
+                                 "installed dsplug plugin provides it (yet) (`dsplug list --category compression`)")
+                else:
+                    known = self.registry.names("compression") + list(DOCUMENTED_COMPRESSION_METHODS)
+                    guess = suggest(key, known)
+                    report.error(path, "unknown compression method" + (f"; did you mean {guess!r}?" if guess else "")
+                                 + f" (installed: {', '.join(self.registry.names('compression')) or 'none'})")
+                continue
+            if provided.spec.schema is None:
+                report.error(path, f"plugin compression:{provided.name} declares no schema, so it cannot be checked")
+                continue
+            self.compression.append((provided, parse(provided.spec.schema, body, path, report)))
 
     def _resolve_batch(self, report: Report, strict_auto: bool) -> None:
         k = self.kernel
@@ -224,6 +256,32 @@ class DsplugConfig:
             return None
         return parse(owner.spec.schema, {}, name)
 
+    def selection(self, category: str) -> Tuple[Any, Any]:
+        """``(provided, section)``: the plugin of ``category`` this config selects, and the parsed
+        section it was selected by (or that it owns), for categories the config selects once
+        (precision, zero_stage).
+
+        The choice is read from the specs alone: a section whose spec ``selects`` this category
+        names it by one of its fields; else the plugin of the category whose own section says
+        ``enabled: true``; else the category's ``default`` plugin.
+        """
+        for owner in self.registry.sections().values():
+            if owner.spec.selects and owner.spec.selects[0] == category:
+                field_name = owner.spec.selects[1]
+                section = self.section(owner.spec.section)
+                name = getattr(section, field_name)
+                return self.registry.get(category, str(name), what=f"{owner.spec.section}.{field_name}"), section
+        specs = [p for p in self.registry.all() if p.category == category]
+        for provided in specs:
+            section = self.sections.get(provided.spec.section) if provided.spec.section else None
+            if getattr(section, "enabled", False) is True:
+                return provided, section
+        for provided in specs:
+            if provided.spec.default:
+                return provided, self.section(provided.spec.section) if provided.spec.section else None
+        raise PluginNotFoundError(f"no {category} plugin is selected by this config and none is installed as the "
+                                  f"default (`dsplug list --category {category}`)", category, "", [])
+
     def get(self, name: str, default=None):
         if name in KERNEL_KEYS:
             return getattr(self.kernel, name)
@@ -247,6 +305,8 @@ def to_dict_of(config: DsplugConfig) -> Dict[str, Any]:
             out[key] = {"type": selected.type, "params": params}
     for name, section in config.sections.items():
         out[name] = to_dict(section)
+    if config.compression:
+        out[COMPRESSION_SECTION] = {p.name: to_dict(section) for p, section in config.compression}
     return out
 
 

@@ -88,7 +88,6 @@ DOCUMENTED_SECTIONS = {
     "csv_monitor": "CSV monitor",
     "elasticity": "elastic training",
     "comms_logger": "communication logger",
-    "compression_training": "compression (quantization, pruning, layer reduction)",
     "pipeline": "pipeline parallelism",
     "progressive_layer_drop": "progressive layer dropping",
     "eigenvalue": "eigenvalue computation",
@@ -99,4 +98,18 @@ DOCUMENTED_SECTIONS = {
     "tensor_parallel": "automatic tensor parallelism",
     "moe": "mixture of experts",
     "monitor_config": "monitor configuration",
+}
+
+#: the section whose keys each select a compression plugin (the kernel owns the container)
+COMPRESSION_SECTION = "compression_training"
+
+#: compression methods DeepSpeed documents under ``compression_training``
+DOCUMENTED_COMPRESSION_METHODS = {
+    "weight_quantization": "weight quantization",
+    "activation_quantization": "activation quantization",
+    "sparse_pruning": "sparse pruning",
+    "row_pruning": "row pruning",
+    "head_pruning": "head pruning",
+    "channel_pruning": "channel pruning",
+    "layer_reduction": "layer reduction",
 }

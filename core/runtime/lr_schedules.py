@@ -1,49 +1,11 @@
-"""``deepspeed.runtime.lr_schedules`` compatibility: the built-in schedules and their names.
+"""DeepSpeed's ``deepspeed.runtime.lr_schedules`` import path.
 
-The schedules live in the scheduler plugins (:mod:`dsplug.plugins.schedulers`); this module
-re-exports them with DeepSpeed's constant names so that ``from deepspeed.runtime.lr_schedules
-import WarmupLR`` keeps working as ``from dsplug.runtime.lr_schedules import WarmupLR``.
-DeepSpeed's command-line tuning helpers (``add_tuning_arguments`` and friends) are not
-provided.
+The schedules (``WarmupLR``, ``OneCycle``, ...), ``VALID_LR_SCHEDULES`` and DeepSpeed's
+parameter-name constants come from the plugin that declares this path through the
+``dsplug_api_modules`` hook (the built-in scheduler plugins), resolved on first use through the
+registry: ``from dsplug.runtime.lr_schedules import WarmupLR`` works as in DeepSpeed, and a
+blocked or missing plugin is named in the ImportError.
 """
-from dsplug.plugins.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from dsplug.plugins.schedulers._common import WARMUP_LINEAR_RATE, WARMUP_LOG_RATE
+from dsplug.public import forward_to_plugin
 
-LR_SCHEDULE = "lr_schedule"
-LR_RANGE_TEST = "LRRangeTest"
-ONE_CYCLE = "OneCycle"
-WARMUP_LR = "WarmupLR"
-WARMUP_DECAY_LR = "WarmupDecayLR"
-WARMUP_COSINE_LR = "WarmupCosineLR"
-VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
-
-LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
-LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
-LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
-LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
-
-CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
-CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
-CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
-CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
-DECAY_STEP_SIZE = "decay_step_size"
-CYCLE_MIN_LR = "cycle_min_lr"
-CYCLE_MAX_LR = "cycle_max_lr"
-DECAY_LR_RATE = "decay_lr_rate"
-CYCLE_MIN_MOM = "cycle_min_mom"
-CYCLE_MAX_MOM = "cycle_max_mom"
-DECAY_MOM_RATE = "decay_mom_rate"
-
-WARMUP_MIN_LR = "warmup_min_lr"
-WARMUP_MAX_LR = "warmup_max_lr"
-WARMUP_NUM_STEPS = "warmup_num_steps"
-WARMUP_TYPE = "warmup_type"
-WARMUP_MIN_RATIO = "warmup_min_ratio"
-COS_MIN_RATIO = "cos_min_ratio"
-TOTAL_NUM_STEPS = "total_num_steps"
-
-__all__ = [
-    "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
-    "WARMUP_LOG_RATE", "WARMUP_LINEAR_RATE", "VALID_LR_SCHEDULES",
-    "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR", "WARMUP_COSINE_LR",
-]
+__getattr__, __dir__ = forward_to_plugin(__name__)

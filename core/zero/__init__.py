@@ -1,21 +1,11 @@
-"""``dsplug.zero``: DeepSpeed's ``deepspeed.zero`` API for ZeRO stage 3.
+"""``dsplug.zero``: DeepSpeed's ``deepspeed.zero`` API for ZeRO stage 3 (``Init``,
+``GatheredParameters``, ``register_external_parameter``, ``unregister_external_parameter``,
+``ZeroParamStatus``, ``is_zero_param``).
 
-* :class:`Init` — build modules already partitioned over the data-parallel ranks;
-* :class:`GatheredParameters` — gather partitioned parameters to read them, or to change them on
-  one rank and re-partition;
-* :func:`register_external_parameter` / :func:`unregister_external_parameter` — a forward that
-  uses another module's parameter;
-* :class:`ZeroParamStatus`, :func:`is_zero_param` — inspect a parameter.
-
-These work on the partitioned-parameter representation of :mod:`dsplug.zero.partitioned_param`;
-the stage-3 plugin (``zero_optimization.stage: 3``) drives the gathering during training.
+The names come from the installed plugin that declares this path through the
+``dsplug_api_modules`` hook (dsplug's own: the ZeRO stage-3 plugin's
+``api`` module); they are resolved on first use (see :mod:`dsplug.public`).
 """
-from __future__ import annotations
+from dsplug.public import forward_to_plugin
 
-from .external import register_external_parameter, unregister_external_parameter
-from .gathered import GatheredParameters
-from .init import Init
-from .partitioned_param import ZeroParamStatus, is_partitioned as is_zero_param
-
-__all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus", "is_zero_param"]
+__getattr__, __dir__ = forward_to_plugin(__name__)

@@ -56,6 +56,6 @@ def dsplug_accelerators():
             name="cpu",
             factory=CpuAccelerator,
             summary="host CPU, gloo backend",
-            extra={"priority": 0},
+            priority=0,
         )
     ]

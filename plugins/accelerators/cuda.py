@@ -99,6 +99,6 @@ def dsplug_accelerators():
             name="cuda",
             factory=CudaAccelerator,
             summary="NVIDIA GPUs, nccl backend",
-            extra={"priority": 10},
+            priority=10,
         )
     ]

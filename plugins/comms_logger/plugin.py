@@ -6,14 +6,17 @@ layer; ``dsplug.comm.log_summary()`` prints its table; closing the engine remove
 """
 from __future__ import annotations
 
+from dsplug.contracts import Observer
 from dsplug.descriptors import PluginSpec
 from dsplug.hookspecs import hookimpl
 
 from .config import DEEPSPEED_OPS, CommsLoggerConfig, selected_ops
 
 
-class CommsLoggerObserver:
+class CommsLoggerObserver(Observer):
     """Engine observer owning the listener for the engine's lifetime."""
+
+    name = "comms_logger"
 
     def __init__(self, listener, comm):
         self.listener = listener

@@ -6,6 +6,7 @@
 * :mod:`.comet_monitor` — ``comet``: a Comet experiment (needs ``dsplug[comet]``)
 
 Each factory returns ``None`` when its section is not enabled or on ranks other than 0 (only
-rank 0 writes), else a :class:`~.events.MonitorObserver` whose lifecycle hooks write the tags
+rank 0 writes), else a :class:`~.events.MonitorObserver` (a :class:`dsplug.contracts.Monitor`
+with a background writer thread) whose lifecycle hooks write the tags
 DeepSpeed writes (``Train/Samples/train_loss``, ``Train/Samples/lr``, ...) keyed by samples seen.
 """

@@ -1,7 +1,9 @@
-"""What every monitor writes, and the parts the monitors share.
+"""The parts the monitors share: a background-thread writer on top of the kernel's contract.
 
 An *event* is DeepSpeed's monitor tuple ``(tag, value, step)``; the step is the number of
-samples seen (``global_samples``), so curves of runs with different batch sizes line up.
+samples seen (``global_samples``), so curves of runs with different batch sizes line up. The
+tags and the metrics -> events conversion are the kernel's (:mod:`dsplug.contracts.observer`:
+``METRIC_TAGS``, ``events_from_metrics``), re-exported here.
 """
 from __future__ import annotations
 
@@ -12,38 +14,13 @@ import importlib.util
 import os
 import queue
 import threading
-from typing import Any, Iterable, List, Mapping, Tuple
+from typing import Iterable, List
 
 from dsplug import hookimpl
+from dsplug.contracts.observer import METRIC_TAGS, Event, Monitor, events_from_metrics
 
-Event = Tuple[str, float, int]
-
-#: ``dsplug_step_end`` metrics key -> the tag DeepSpeed's monitor writes it under.
-METRIC_TAGS: Tuple[Tuple[str, str], ...] = (
-    ("loss", "Train/Samples/train_loss"),
-    ("lr", "Train/Samples/lr"),
-    ("loss_scale", "Train/Samples/loss_scale"),
-    ("forward_ms", "Train/Samples/elapsed_time_ms_forward"),
-    ("backward_ms", "Train/Samples/elapsed_time_ms_backward"),
-    ("backward_inner_ms", "Train/Samples/elapsed_time_ms_backward_inner"),
-    ("backward_allreduce_ms", "Train/Samples/elapsed_time_ms_backward_allreduce"),
-    ("step_ms", "Train/Samples/elapsed_time_ms_step"),
-)
-
-
-def events_from_metrics(metrics: Mapping[str, Any]) -> List[Event]:
-    """The events one optimizer step produces; metrics that are absent or None are left out."""
-    if "global_samples" not in metrics:
-        raise KeyError(
-            f"step metrics lack 'global_samples' (the x axis of every monitor); got keys {sorted(metrics)}"
-        )
-    step = int(metrics["global_samples"])
-    return [(tag, _scalar(metrics[key]), step) for key, tag in METRIC_TAGS if metrics.get(key) is not None]
-
-
-def _scalar(value) -> float:
-    item = getattr(value, "item", None)  # a 0-d tensor or numpy scalar
-    return float(item() if callable(item) else value)
+__all__ = ["METRIC_TAGS", "Event", "MissingExtraError", "MonitorObserver", "build_client_monitor",
+           "events_from_metrics", "is_writer", "require_package", "resolve_log_dir"]
 
 
 def resolve_log_dir(output_path, job_name: str) -> str:
@@ -99,11 +76,12 @@ def build_client_monitor(config, context, package: str, section: str, make):
     return make(module) if writer else None
 
 
-class MonitorObserver(abc.ABC):
-    """Base of the observers the monitor factories return.
+class MonitorObserver(Monitor, abc.ABC):
+    """Base of the monitors the monitor factories return (a :class:`dsplug.contracts.Monitor`).
 
-    The engine registers the object into its lifecycle plugin manager; DeepSpeed-style client
-    code may also call :meth:`write_events` directly with ``(tag, value, step)`` tuples.
+    The engine registers the object on its event bus; the contract's ``dsplug_step_end`` turns
+    each step's metrics into events and calls :meth:`write_events`. DeepSpeed-style client code
+    may also call :meth:`write_events` directly with ``(tag, value, step)`` tuples.
 
     Writing happens on one background thread per monitor: the training step only queues its
     events, so a slow client library (wandb, comet) never adds to the step time. Events keep
@@ -117,6 +95,10 @@ class MonitorObserver(abc.ABC):
     section = ""
     enabled = True
     _STOP = object()
+
+    @property
+    def name(self) -> str:
+        return self.section
 
     def __init__(self) -> None:
         self.closed = False
@@ -132,7 +114,7 @@ class MonitorObserver(abc.ABC):
         if self._writer is None:
             self._writer = threading.Thread(target=self._drain, name=f"dsplug-{self.section}-writer", daemon=True)
             self._writer.start()
-        self._queue.put([(str(tag), _scalar(value), int(step)) for tag, value, step in events])
+        self._queue.put([(str(tag), float(value), int(step)) for tag, value, step in events])
 
     def flush(self) -> None:
         """Write everything queued so far and hand it to the OS / the client library."""
@@ -176,10 +158,6 @@ class MonitorObserver(abc.ABC):
             error, self._error = self._error, None
             raise RuntimeError(f"the {self.section} monitor failed to write: {type(error).__name__}: {error}") \
                 from error
-
-    @hookimpl
-    def dsplug_step_end(self, engine, metrics):
-        self.write_events(events_from_metrics(metrics))
 
     @hookimpl
     def dsplug_engine_closed(self, engine):

@@ -1,10 +1,10 @@
-"""The objects the offload plugins' factories return: what a ZeRO stage asks of an offload device.
+"""The objects the offload plugins' factories return: :class:`dsplug.contracts.OffloadDevice`.
 
 A stage calls ``factory(section, context)`` with the parsed ``offload_param`` or
-``offload_optimizer`` section and gets one of these. The interface:
+``offload_optimizer`` section and gets one of these. Beyond the kernel's contract (``name``,
+``config``, ``host_tensor``, ``swap_dir``, ``close``), the built-in ZeRO stages ask a device for
+(the ZeRO <-> offload extension, documented in ``docs/offload.md``):
 
-``name``                      the device name ("none", "cpu", "nvme")
-``config``                    the offload section it was built from
 ``zero3_partitioner(...)``    stage 3, ``offload_param``: the ``ParamPartitioner`` that keeps the
                               parameter partitions where this device says
 ``zero3_partitions(...)``     stage 3: the partition store (groups, optimizer, step, checkpoint access;
@@ -14,19 +14,17 @@ A stage calls ``factory(section, context)`` with the parsed ``offload_param`` or
 """
 from __future__ import annotations
 
-from dsplug.zero.partitioned_param import ParamPartitioner
+import os
+from typing import Optional
+
+from dsplug import contracts
+from dsplug.plugins.zero.stage3.partitioned_param import ParamPartitioner
 
 
-class OffloadDevice:
+class OffloadDevice(contracts.OffloadDevice):
+    """The built-in devices' base: the kernel contract plus the ZeRO stages' ``zero3_*`` / ``zero12_*``."""
+
     name = "abstract"
-
-    def __init__(self, config, context):
-        self.config = config
-        self.context = context
-
-    @property
-    def accelerator(self):
-        return getattr(self.context, "accelerator", None)
 
     def aio_config(self):
         """The parsed ``aio`` section (its defaults when absent)."""
@@ -49,9 +47,6 @@ class OffloadDevice:
 
         return HostMaster(self, stage, zero_config, context)
 
-    def __repr__(self) -> str:
-        return f"<offload device {self.name!r}>"
-
 
 class NoOffload(OffloadDevice):
     """``device: "none"``: everything stays on the accelerator."""
@@ -68,13 +63,19 @@ class CpuOffload(OffloadDevice):
         from .params import HostParamPartitioner
 
         return HostParamPartitioner(comm, rank, world_size, device, accelerator=self.accelerator,
-                                    pin_memory=self.config.pin_memory)
+                                    pin_memory=self.pin_memory)
 
 
 class NvmeOffload(OffloadDevice):
     """``device: "nvme"``: swap files under ``nvme_path`` (read and written through async I/O)."""
 
     name = "nvme"
+
+    def swap_dir(self) -> Optional[str]:
+        """``nvme_path`` (absolute): the partitioner and the partition store each create a private
+        ``dsplug-<section>-rank<r>-*`` directory of swap files under it, removed at ``destroy()``."""
+        path = self.config.nvme_path
+        return os.path.abspath(os.path.expanduser(os.fspath(path))) if path else None
 
     def zero3_partitioner(self, comm, rank, world_size, device):
         from .params import NvmeParamPartitioner

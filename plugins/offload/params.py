@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dsplug.zero.partitioned_param import GatherHandle, ParamPartitioner
+from dsplug.plugins.zero.stage3.partitioned_param import GatherHandle, ParamPartitioner
 
 from .swap import BufferPool, SwapDir, SwapError, SwapFiles, is_placeholder, placeholder
 

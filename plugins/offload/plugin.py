@@ -1,6 +1,7 @@
 """Registers the offload devices ``none``, ``cpu`` and ``nvme`` (category ``offload_device``).
 
-The ``nvme`` plugin owns the top-level ``aio`` section. Factories are called by the ZeRO stages as
+The ``nvme`` plugin owns the top-level ``aio`` section; the ``dsplug nvme-tune`` command
+(:mod:`.nvme_tune`) finds good values for it. Factories are called by the ZeRO stages as
 ``factory(offload_section, context)`` (the parsed ``offload_param`` or ``offload_optimizer``) and
 return a device object (:mod:`.devices`). Cheap to import.
 """
@@ -42,3 +43,10 @@ def dsplug_offload_devices():
                    summary="ZeRO-Infinity: optimizer states / parameter partitions in swap files under nvme_path, "
                            "read and written through async I/O (owns the 'aio' section)"),
     ]
+
+
+@hookimpl
+def dsplug_cli_commands():
+    from .nvme_tune import NVME_TUNE
+
+    return [NVME_TUNE]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.descriptors import ApiModule
 from dsplug.config.schema import field, schema
 
 from .common import betas_check, call_torch_optimizer, cross_checks, given, options_of
@@ -143,3 +144,9 @@ def dsplug_optimizers():
             summary="AdamW (decoupled weight decay), DeepSpeed FusedAdam semantics (torch_adam)",
         ),
     ]
+
+
+@hookimpl
+def dsplug_api_modules():
+    # DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` is this plugin's optimizer class
+    return [ApiModule("dsplug.ops.adam", "dsplug.plugins.optimizers.adam_optimizer")]

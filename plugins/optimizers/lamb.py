@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.descriptors import ApiModule
 from dsplug.config.schema import field, schema
 
 from .common import betas_check, cross_checks, given, options_of
@@ -59,3 +60,9 @@ def dsplug_optimizers():
             summary="LAMB (layer-wise trust ratio), DeepSpeed FusedLamb semantics",
         )
     ]
+
+
+@hookimpl
+def dsplug_api_modules():
+    # DeepSpeed's ``deepspeed.ops.lamb.FusedLamb`` is this plugin's optimizer class
+    return [ApiModule("dsplug.ops.lamb", "dsplug.plugins.optimizers.lamb_optimizer")]

@@ -142,7 +142,8 @@ def one_precision_mode(config, report) -> None:
 @hookimpl
 def dsplug_precisions():
     return [
-        PluginSpec(category="precision", name="fp32", factory=build_fp32, summary="full precision (default)"),
+        PluginSpec(category="precision", name="fp32", factory=build_fp32, default=True,
+                   summary="full precision (default)"),
         PluginSpec(category="precision", name="fp16", section="fp16", schema=Fp16Config, factory=build_fp16,
                    rules=(one_precision_mode,), summary="fp16 weights, fp32 master weights, loss scaling"),
         PluginSpec(category="precision", name="bf16", aliases=("bfloat16",), section="bf16", schema=Bf16Config,

@@ -10,18 +10,17 @@ import torch
 def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
                        global_norm: Callable[[List[torch.Tensor]], float],
                        norm_always: bool = True) -> Tuple[bool, Optional[float]]:
-    """Unscale by the loss scale, take the global norm, detect overflow (and tell the loss
-    scaler), clip to ``clip``. Returns ``(apply_step, norm)``; ``apply_step`` is False when an
-    overflow means the step must be skipped. ``global_norm`` sees this rank's gradients and
-    must return the norm over all ranks. With ``norm_always`` False the norm is only computed
-    when clipping or the overflow check needs it (else None)."""
-    scale = precision.loss_scale
-    if scale != 1.0:
-        torch._foreach_mul_(grads, 1.0 / scale)
-    norm = global_norm(grads) if norm_always or clip > 0 or precision.checks_overflow else None
-    overflow = precision.checks_overflow and not math.isfinite(norm)
-    if precision.loss_scaler is not None:
-        precision.loss_scaler.update(overflow)
+    """Unscale (``precision.unscale_``), take the global norm, detect overflow when
+    ``precision.checks_overflow`` (and tell ``precision.update_scale``), clip to ``clip``. Returns
+    ``(apply_step, norm)``; ``apply_step`` is False when an overflow means the step must be
+    skipped. ``global_norm`` sees this rank's gradients and must return the norm over all ranks.
+    With ``norm_always`` False the norm is only computed when clipping or the overflow check
+    needs it (else None)."""
+    precision.unscale_(grads)
+    checks = precision.checks_overflow
+    norm = global_norm(grads) if norm_always or clip > 0 or checks else None
+    overflow = checks and not math.isfinite(norm)
+    precision.update_scale(overflow)
     if overflow:
         return False, norm
     if norm is not None and clip > 0 and norm > clip:

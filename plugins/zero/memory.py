@@ -9,7 +9,7 @@ With ``offload_optimizer`` the optimizer partition (and master weights) move to 
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 
 def model_state_bytes(
@@ -41,3 +41,46 @@ def model_state_bytes(
     for side in (device, host):
         side["total"] = side["parameters"] + side["gradients"] + side["optimizer_states"]
     return {"device": device, "host": host}
+
+
+#: fp32 values of optimizer state per parameter when the optimizer's spec does not say (Adam's 2)
+DEFAULT_STATES_PER_PARAM = 2
+
+
+def estimate_for_config(num_params: int, world_size: int, config) -> Dict[str, Any]:
+    """The ``dsplug_estimate_model_state_bytes`` answer for a :class:`dsplug.DsplugConfig`.
+
+    Keys: ``"device"`` and ``"host"`` (as :func:`model_state_bytes`), ``"total"`` (both sides),
+    ``"assumptions"`` (``stage``, ``mixed_precision``, ``optimizer_states_per_param``) and
+    ``"summary"`` (the assumptions in words). 16-bit mixed precision is what the selected precision plugin
+    builds: 16-bit parameters with fp32 master weights. The optimizer's states per parameter come
+    from its spec's ``states_per_param``."""
+    zero = config.section("zero_optimization")
+    stage = int(zero.stage) if zero is not None else 0
+    half = _half_precision(config, world_size)
+    states = DEFAULT_STATES_PER_PARAM
+    if config.optimizer is not None and config.optimizer.spec.states_per_param is not None:
+        states = int(config.optimizer.spec.states_per_param)
+    mem = model_state_bytes(
+        int(num_params), int(world_size or 1), stage, half_precision=half, optimizer_states=states,
+        offload_optimizer=zero is not None and zero.offload_optimizer.device != "none",
+        offload_param=zero is not None and zero.offload_param.device != "none",
+    )
+    return {
+        **mem,
+        "total": mem["device"]["total"] + mem["host"]["total"],
+        "assumptions": {"stage": stage, "mixed_precision": half, "optimizer_states_per_param": states},
+        "summary": f"ZeRO stage {stage}, {'16-bit mixed precision' if half else 'fp32'}, "
+                   f"{states} optimizer states per parameter",
+    }
+
+
+def _half_precision(config, world_size) -> bool:
+    """Whether the precision this config selects keeps 16-bit parameters with fp32 master weights."""
+    from dsplug.context import BuildContext
+
+    provided, section = config.selection("precision")
+    precision = provided.spec.factory(section, BuildContext(config=config, world_size=int(world_size or 1),
+                                                            registry=config.registry))
+    dtype = getattr(precision, "model_dtype", None)
+    return bool(getattr(precision, "master_weights", False)) and getattr(dtype, "itemsize", 4) == 2

@@ -31,20 +31,21 @@ from typing import Dict, List, Optional
 import torch
 
 from dsplug.checkpoint import CheckpointError
-from dsplug.zero_to_fp32 import merge_partitions
+from dsplug.contracts import ZeroStage
 
+from .gradients import unscale_check_clip
 from .optimizer_check import check_elementwise
 from .partition import FlatGroup, gather_partitions, round_robin_order
-from .gradients import unscale_check_clip
 from .reducer import GradientReducer
 from .stage0 import _comm_dtype
+from .zero_to_fp32 import merge_partitions
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-class PartitionedStage:
+class PartitionedStage(ZeroStage):
     def __init__(self, stage: int, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision,
                  zero_config, kernel_config, context):
         if stage not in (1, 2):

@@ -16,11 +16,22 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dsplug.contracts import ZeroStage
+
 from .buckets import GradientBuckets
 from .gradients import unscale_check_clip
 
 
-class DataParallelStage:
+def refuse_partitioned_params(module, stage: int) -> None:
+    """Stages 0-2 take whole parameters: a model built under ``dsplug.zero.Init`` needs stage 3."""
+    from .stage3.partitioned_param import is_partitioned
+
+    if any(is_partitioned(p) for p in module.parameters()):
+        raise ValueError(f"the model was built under dsplug.zero.Init, so its parameters are partitioned, but "
+                         f"zero_optimization.stage is {stage}; use stage 3 (or build the model without zero.Init)")
+
+
+class DataParallelStage(ZeroStage):
     stage = 0
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,

@@ -40,7 +40,9 @@ from dsplug import PluginSpec, hookimpl
 def _build(stage: int):
     def factory(module, param_groups, build_optimizer, precision, zero_config, context):
         from .partitioned import PartitionedStage
+        from .stage0 import refuse_partitioned_params
 
+        refuse_partitioned_params(module, stage)
         return PartitionedStage(stage, module, param_groups, build_optimizer, precision, zero_config,
                                 context.config.kernel, context)
 

@@ -35,6 +35,6 @@ def dsplug_optimizers():
             factory=build,
             schema=LionParams,
             summary="Lion (sign momentum) optimizer, third-party plugin",
-            extra={"states_per_param": 1},
+            states_per_param=1,
         )
     ]

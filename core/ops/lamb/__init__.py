@@ -1,12 +1,13 @@
-"""``deepspeed.ops.lamb`` names: ``FusedLamb`` (the Lamb optimizer plugin's class)."""
+"""``deepspeed.ops.lamb`` names: ``FusedLamb``.
+
+``FusedLamb`` is the Lamb optimizer plugin's class: the plugin declares this path through the
+``dsplug_api_modules`` hook and the name is resolved on first use through the registry (so a
+blocked or missing plugin is named in the ImportError).
+"""
 from __future__ import annotations
+
+from dsplug.public import forward_to_plugin
 
 __all__ = ["FusedLamb"]
 
-
-def __getattr__(name):
-    if name == "FusedLamb":
-        from dsplug.plugins.optimizers.lamb_optimizer import FusedLamb
-
-        return FusedLamb
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = forward_to_plugin(__name__)

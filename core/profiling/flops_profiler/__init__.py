@@ -1,14 +1,18 @@
-"""DeepSpeed's ``deepspeed.profiling.flops_profiler``: the flops profiler plugin's public API."""
-from dsplug.plugins.profilers.flops_profiler.formatting import (bytes_to_string, duration_to_string,
-                                                                flops_to_string, macs_to_string,
-                                                                number_to_string, params_to_string)
-from dsplug.plugins.profilers.flops_profiler.profiler import (FlopsProfiler, get_module_duration,
-                                                              get_module_flops, get_module_macs,
-                                                              get_module_params)
-from dsplug.plugins.profilers.flops_profiler.standalone import get_model_profile
+"""DeepSpeed's ``deepspeed.profiling.flops_profiler`` import path.
 
-__all__ = [
-    "FlopsProfiler", "get_model_profile", "get_module_flops", "get_module_macs", "get_module_params",
-    "get_module_duration", "number_to_string", "macs_to_string", "flops_to_string", "params_to_string",
-    "duration_to_string", "bytes_to_string",
-]
+The names (``get_model_profile``, ``FlopsProfiler``, ``get_module_flops``, ``flops_to_string``
+...) come from the plugin that declares this path through the ``dsplug_api_modules`` hook (the
+built-in flops profiler observer), resolved on first use through the registry: a blocked or
+missing plugin is named in the ImportError. Importing this module imports nothing else.
+"""
+import importlib
+
+from dsplug.public import forward_to_plugin
+
+_forward, __dir__ = forward_to_plugin(__name__)
+
+
+def __getattr__(name):
+    if name == "profiler":  # the submodule at DeepSpeed's path, never the plugin's own
+        return importlib.import_module(f"{__name__}.profiler")
+    return _forward(name)

@@ -5,8 +5,9 @@
 * the ``flops_profiler`` config section turns on an engine observer (:mod:`.plugin`) that
   profiles one training step.
 
-``dsplug.profiling.flops_profiler`` re-exports the public names for DeepSpeed scripts. Names
-are imported lazily so that loading the plugin (:mod:`.plugin`) does not import torch.
+``dsplug.profiling.flops_profiler`` (DeepSpeed's path) forwards to this package's public names
+(declared by :mod:`.plugin`). Names are imported lazily so that loading the plugin does not
+import torch.
 """
 from __future__ import annotations
 
@@ -39,3 +40,7 @@ def __getattr__(name):
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

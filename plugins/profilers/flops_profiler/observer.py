@@ -15,13 +15,16 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from dsplug.contracts import Observer
 from dsplug.hookspecs import hookimpl
 
 from .profiler import FlopsProfiler
 from .report import StepLatency
 
 
-class FlopsProfilerObserver:
+class FlopsProfilerObserver(Observer):
+    name = "flops_profiler"
+
     def __init__(self, config, context):
         self.config = config
         self.context = context

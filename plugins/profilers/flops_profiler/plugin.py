@@ -1,11 +1,13 @@
 """Registers the flops profiler: it owns the ``flops_profiler`` config section.
 
 Entry point: ``observer-flops-profiler = "dsplug.plugins.profilers.flops_profiler.plugin"``.
-Importing this module is cheap; torch is imported when the factory builds an observer.
+Importing this module is cheap; torch is imported when the factory builds an observer. It also
+declares DeepSpeed's import paths ``dsplug.profiling.flops_profiler`` (and ``.profiler``), whose
+names are this package's public API.
 """
 from __future__ import annotations
 
-from dsplug.descriptors import PluginSpec
+from dsplug.descriptors import ApiModule, PluginSpec
 from dsplug.hookspecs import hookimpl
 
 from .config import FlopsProfilerConfig
@@ -39,3 +41,11 @@ SPEC = PluginSpec(
 @hookimpl
 def dsplug_observers():
     return [SPEC]
+
+
+@hookimpl
+def dsplug_api_modules():
+    # DeepSpeed's import paths; both hold the same names (the package's lazy exports)
+    package = __name__.rsplit(".", 1)[0]
+    return [ApiModule("dsplug.profiling.flops_profiler", package),
+            ApiModule("dsplug.profiling.flops_profiler.profiler", package)]

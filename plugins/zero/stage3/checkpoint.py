@@ -12,11 +12,14 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from dsplug.zero.partitioned_param import partition_numel
+from dsplug.checkpoint import CheckpointError
+
+from .partitioned_param import partition_numel
 
 
-class CheckpointFormatError(ValueError):
-    pass
+class CheckpointFormatError(CheckpointError, ValueError):
+    """The checkpoint's partitions cannot be loaded here (a ``CheckpointError``, so the engine
+    reports it as it is; a ``ValueError`` as it always was)."""
 
 
 def is_elementwise(value, numel: int) -> bool:

@@ -33,8 +33,8 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dsplug.zero import external
-from dsplug.zero.partitioned_param import ZeroParamStatus, is_partitioned, unique
+from . import external
+from .partitioned_param import ZeroParamStatus, is_partitioned, unique
 
 logger = logging.getLogger("dsplug")
 

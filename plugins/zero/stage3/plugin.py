@@ -1,7 +1,10 @@
-"""Registers ZeRO stage 3 as the ``zero_stage`` plugin named "3" (cheap to import)."""
+"""Registers ZeRO stage 3 as the ``zero_stage`` plugin named "3", and provides ``dsplug.zero``
+(DeepSpeed's ``deepspeed.zero``: ``Init``, ``GatheredParameters``, ... in :mod:`.api`). Cheap to
+import."""
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.descriptors import ApiModule
 
 
 def build_stage3(module, param_groups, build_optimizer, precision, zero_config, context):
@@ -17,3 +20,8 @@ def dsplug_zero_stages():
                    summary="parameters, gradients and optimizer states partitioned; modules gather their "
                            "parameters just before use"),
     ]
+
+
+@hookimpl
+def dsplug_api_modules():
+    return [ApiModule("dsplug.zero", "dsplug.plugins.zero.stage3.api")]

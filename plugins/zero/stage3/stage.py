@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters, gradients and optimizer states are all partitioned.
 
 Each rank holds, for every parameter, only its slice (``per_param`` layout, see
-:mod:`dsplug.zero.partitioned_param`): the 16-bit (or fp32) partition the model computes with,
+:mod:`.partitioned_param`): the 16-bit (or fp32) partition the model computes with,
 the gradient partition, and the fp32 master partition with the optimizer state. Per optimizer
 param group these live in flat buffers; each parameter's pieces are views into them, and the
 optimizer steps the views (so element-wise optimizers behave exactly as on full tensors).
@@ -25,17 +25,19 @@ docs/offload.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Dict, List, Optional
 
 import torch
 
-from dsplug.zero.partitioned_param import (ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of,
-                                           unique)
+from dsplug.contracts import ZeroStage
+from dsplug.logging import log_rank0
 
 from ..gradients import unscale_check_clip
 from ..stage0 import _comm_dtype
 from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
 from .coordinator import ParamCoordinator
+from .partitioned_param import ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of, unique
 from .reduce import GradientReducer
 
 
@@ -155,7 +157,7 @@ class InMemoryPartitions:
         pass
 
 
-class PartitionedParamStage:
+class PartitionedParamStage(ZeroStage):
     stage = 3
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
@@ -458,6 +460,15 @@ class PartitionedParamStage:
                     self.groups[where[0]].set_master_piece(where[1], piece)
         if others:
             self.module.load_state_dict(others, strict=False)
+
+    def sixteen_bit_state_dict(self) -> Optional[dict]:
+        """The gathered module weights for ``save_16bit_model``, only with
+        ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed); else None (logged)."""
+        if not self.zero_config.stage3_gather_16bit_weights_on_model_save:
+            log_rank0("warning: save_16bit_model at ZeRO stage 3 needs zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save=true; nothing saved", logging.WARNING)
+            return None
+        return self.module_state_dict()
 
     def refresh_master_from_model(self) -> None:
         with torch.no_grad(), self.store.materialized(write=True):

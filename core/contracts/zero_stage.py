@@ -1,0 +1,123 @@
+"""The ZeRO stage contract: the path from gradients to updated weights, and its state."""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Dict, Optional
+
+from ..hookspecs import hookimpl
+
+
+class ZeroStageError(RuntimeError):
+    """A stage was asked for something it does not provide."""
+
+
+class ZeroStage(abc.ABC):
+    """What a ``zero_stage`` factory returns; it owns gradients -> update -> weights.
+
+    The engine calls, for each micro-step: :meth:`before_backward` (``is_boundary``: this
+    micro-step ends an accumulation window and gradients must be reduced), autograd's backward
+    of ``precision.scale_loss(loss)``, :meth:`after_backward`; at each boundary :meth:`step`
+    (returns False when an overflow skipped the update). Between them the stage may run
+    collectives (through ``context.comm``, never ``torch.distributed`` directly, so the comms
+    logger sees them) and must leave the model's parameters holding the updated weights (or,
+    when partitioned, able to gather them for the next forward).
+
+    Attributes the engine reads: ``stage`` (the number, DeepSpeed's
+    ``zero_optimization_stage()``), ``module``, ``optimizer`` (what ``engine.optimizer`` returns;
+    schedulers set ``lr`` on its groups), ``last_grad_norm`` (global norm before clipping of the
+    last step, or None when nothing needed it).
+
+    Clipping uses ``context.config.kernel.gradient_clipping`` (coefficient ``clip/(norm+1e-6)``
+    when ``norm > clip``) after ``precision.unscale_``; overflow is ``not isfinite(norm)`` when
+    ``precision.checks_overflow``; tell ``precision.update_scale(overflow)`` either way.
+
+    Checkpoint: the stage saves the module in the shared file under ``"module"`` (the full state
+    dict, gathered if partitioned) and its optimizer / master-weight state in every rank's file
+    under ``"stage"``. ``docs/zero-stages.md`` documents the partitioned layout.
+    """
+
+    stage: int = -1
+    module: Any = None
+    optimizer: Any = None
+    last_grad_norm: Optional[float] = None
+
+    def before_backward(self, is_boundary: bool) -> None:
+        """A micro-step's backward is about to run."""
+
+    def after_backward(self) -> None:
+        """Autograd's backward returned (start or finish reductions here)."""
+
+    @abc.abstractmethod
+    def step(self) -> bool:
+        """Reduce, unscale, check, clip, update, write weights back; False when skipped."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's optimizer and master-weight state."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Dict[str, Any], load_optimizer_states: bool = True,
+                        saved_world_size: Optional[int] = None,
+                        read_rank: Optional[Callable[[int], Dict[str, Any]]] = None) -> None:
+        """Restore; ``read_rank(r)`` returns rank ``r``'s saved :meth:`state_dict`, so state saved
+        with N ranks can be re-sliced for this run's M."""
+
+    @abc.abstractmethod
+    def module_state_dict(self) -> Dict[str, Any]:
+        """The FULL module state dict. A collective when partitioned: every rank calls it."""
+
+    @abc.abstractmethod
+    def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Load a full module state dict (re-partitioning it if needed)."""
+
+    def refresh_master_from_model(self) -> None:
+        """After a module-only load: master weights := the module's weights."""
+
+    def sixteen_bit_state_dict(self) -> Optional[Dict[str, Any]]:
+        """The module weights in the training dtype for ``save_16bit_model``, or None when this
+        stage's config does not allow gathering them (the stage logs why)."""
+        return self.module_state_dict()
+
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer_states``, ``total``,
+        ``buffers``. Stages that cannot account for their memory leave this as is."""
+        raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not report its memory")
+
+    def close(self) -> None:
+        """Remove hooks; the stage is not used afterwards."""
+
+    # -- checkpoint participation (see dsplug.hookspecs)
+    @hookimpl
+    def dsplug_checkpoint_state(self, scope, options):
+        if scope == "rank":
+            return {"stage": self.state_dict()}
+        state = self.module_state_dict()  # every rank calls it: a collective when partitioned
+        if options.exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {"module": state}
+
+    @hookimpl(tryfirst=True)
+    def dsplug_load_checkpoint_state(self, checkpoint):
+        options = checkpoint.options
+        module_state = checkpoint.model.get("module")
+        if module_state is not None:
+            if options.custom_load_fn is not None:
+                options.custom_load_fn(src=module_state, dst=self.module)
+            else:
+                self.load_module_state_dict(module_state, strict=options.load_module_strict)
+        if options.load_module_only:
+            self.refresh_master_from_model()
+            return
+        if "stage" not in checkpoint.rank:
+            from ..checkpoint import CheckpointError
+
+            raise CheckpointError(f"{checkpoint.path}: this rank's file holds no ZeRO stage state (keys: "
+                                  f"{sorted(checkpoint.rank)}); pass load_module_only=True to load the weights only")
+        self.load_state_dict(checkpoint.rank["stage"], load_optimizer_states=options.load_optimizer_states,
+                             saved_world_size=checkpoint.saved_world_size,
+                             read_rank=lambda r: checkpoint.read_rank(r)["stage"])

@@ -1,0 +1,196 @@
+"""Engine checkpoints: every part contributes and restores its own state through the checkpoint
+hooks (``dsplug_checkpoint_state`` / ``dsplug_load_checkpoint_state``), called through the
+engine's event bus; this module only writes and reads the files (:mod:`dsplug.checkpoint`).
+
+Files of a tag (DeepSpeed's names): the shared ``mp_rank_00_model_states.pt`` holds every
+``scope="model"`` contribution plus the engine's own record (counters, client_state, config);
+``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds rank ``r``'s ``scope="rank"``
+contributions; ``rng_state_rank_<r>.pt`` its RNG states.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict
+
+import attrs
+
+from . import checkpoint as ckpt
+from . import comm
+from .contracts.checkpoint import CheckpointView, LoadOptions, SaveOptions
+from .hookspecs import hookimpl
+from .logging import log_rank0
+
+#: keys of the shared file that the engine itself writes
+ENGINE_KEYS = ("client_state", "world_size", "ds_config", "dsplug_version")
+
+
+@attrs.define(eq=False)
+class EngineCounters:
+    """The engine's step counters, a checkpoint participant like any other part."""
+
+    global_steps: int = 0
+    global_samples: int = 0
+    micro_steps: int = 0
+    skipped_steps: int = 0
+
+    @staticmethod
+    def field(name: str):
+        """A property of the engine reading and writing ``engine.counters.<name>``."""
+        return property(lambda engine: getattr(engine.counters, name),
+                        lambda engine, value: setattr(engine.counters, name, value))
+
+    @hookimpl
+    def dsplug_checkpoint_state(self, scope):
+        return attrs.asdict(self) if scope == "model" else None
+
+    @hookimpl
+    def dsplug_load_checkpoint_state(self, checkpoint):
+        if checkpoint.options.load_module_only:
+            return
+        for name in attrs.fields_dict(type(self)):
+            if name in checkpoint.model:
+                setattr(self, name, int(checkpoint.model[name]))
+
+
+class SchedulerState:
+    """Saves and restores whatever LR scheduler the engine holds (configured or the client's)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @hookimpl
+    def dsplug_checkpoint_state(self, scope):
+        if scope != "model":
+            return None
+        scheduler = self.engine.lr_scheduler
+        return {"lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+
+    @hookimpl
+    def dsplug_load_checkpoint_state(self, checkpoint):
+        scheduler, saved = self.engine.lr_scheduler, checkpoint.model.get("lr_scheduler")
+        options = checkpoint.options
+        if scheduler is not None and saved and options.load_lr_scheduler_states and not options.load_module_only:
+            scheduler.load_state_dict(saved)
+
+
+def collect(engine, scope: str, options: SaveOptions) -> Dict[str, Any]:
+    """Every participant's contribution for ``scope``, merged; a key given twice is an error."""
+    merged: Dict[str, Any] = {}
+    for contribution in engine.events.hook.dsplug_checkpoint_state(engine=engine, scope=scope, options=options):
+        if not isinstance(contribution, dict):
+            raise ckpt.CheckpointError(f"a dsplug_checkpoint_state implementation returned {type(contribution).__name__}"
+                                       f" for scope {scope!r}; expected a dict {{key: state}} (or return nothing) "
+                                       f"(implementers: {_implementers(engine)})")
+        for key, value in contribution.items():
+            if key in merged or key in ENGINE_KEYS:
+                raise ckpt.CheckpointError(f"checkpoint key {key!r} (scope {scope!r}) is contributed twice; each "
+                                           f"participant must use its own keys (implementers: {_implementers(engine)})")
+            merged[key] = value
+    return merged
+
+
+def _implementers(engine) -> str:
+    return ", ".join(i.plugin_name for i in engine.events.hook.dsplug_checkpoint_state.get_hookimpls())
+
+
+def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool) -> bool:
+    save_dir = os.fspath(save_dir)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    ckpt.check_tag(tag)
+    _validate_tag(engine, tag)
+    rank0 = engine.global_rank == 0
+    _on_every_rank("preparing", lambda: ckpt.begin(save_dir, tag) if rank0 else None)
+    staging = ckpt.partial_dir(save_dir, tag)
+    options = SaveOptions(tag=tag, save_dir=save_dir, exclude_frozen_parameters=exclude_frozen_parameters)
+    shared = collect(engine, "model", options)  # every rank: contributions may be collectives
+    own = collect(engine, "rank", options)
+
+    def write_files():
+        if rank0:
+            ckpt.atomic_save({**shared, "client_state": dict(client_state or {}), "world_size": engine.world_size,
+                              "ds_config": engine.config.to_dict(), "dsplug_version": _version()},
+                             os.path.join(staging, ckpt.MODEL_FILE))
+        ckpt.atomic_save({**own, "rank": engine.global_rank, "world_size": engine.world_size},
+                         os.path.join(staging, ckpt.optim_file(engine.global_rank)))
+        ckpt.atomic_save(ckpt.rng_state(engine.accelerator), os.path.join(staging, ckpt.rng_file(engine.global_rank)))
+
+    _on_every_rank("writing", write_files)
+    _on_every_rank("committing", lambda: ckpt.commit(save_dir, tag, save_latest) if rank0 else None)
+    return True
+
+
+def load_checkpoint(engine, load_dir, tag=None, **flags):
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        tag = ckpt.read_latest(load_dir)
+        if tag is None:
+            log_rank0(f"warning: no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a "
+                      "specific checkpoint)", logging.WARNING)
+            return None, None
+    path = _tag_dir(load_dir, str(tag))
+    weights_only = engine.config.checkpoint.weights_only
+    shared = ckpt.load_file(os.path.join(path, ckpt.MODEL_FILE), weights_only)
+    saved_world = int(shared.get("world_size", 1))
+
+    def read_rank(rank: int) -> dict:
+        return ckpt.load_file(os.path.join(path, ckpt.optim_file(rank)), weights_only)
+
+    options = LoadOptions(**flags)
+    own = {} if options.load_module_only else read_rank(min(engine.global_rank, saved_world - 1))
+    view = CheckpointView(model=shared, rank=own, saved_world_size=saved_world, read_rank=read_rank,
+                          options=options, path=path)
+    engine.events.hook.dsplug_load_checkpoint_state(engine=engine, checkpoint=view)
+    rng_path = os.path.join(path, ckpt.rng_file(engine.global_rank))
+    if not options.load_module_only and os.path.exists(rng_path):
+        ckpt.set_rng_state(ckpt.load_file(rng_path, weights_only), engine.accelerator)
+    return path, shared.get("client_state", {})
+
+
+def _tag_dir(load_dir: str, tag: str) -> str:
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        # a save of the same tag died between swapping directories: the old copy is complete
+        log_rank0(f"warning: {path} is missing but {path}.old is complete; loading that", logging.WARNING)
+        return path + ".old"
+    if not os.path.isdir(path):
+        tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) \
+            if os.path.isdir(load_dir) else []
+        raise ckpt.CheckpointError(f"checkpoint {path} does not exist" +
+                                   (f"; tags in {load_dir}: {', '.join(tags)}" if tags else ""))
+    return path
+
+
+def _on_every_rank(what: str, step) -> None:
+    """Run ``step`` here, then agree with every rank on whether it worked (a collective)."""
+    error = None
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = exc
+    failures = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, text) for rank, text in enumerate(failures) if text]
+    if failed:
+        rank, text = failed[0]
+        raise ckpt.CheckpointError(f"checkpoint {what} failed on rank {rank}: {text}; the previous "
+                                   "checkpoint is untouched")
+
+
+def _validate_tag(engine, tag: str) -> None:
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.world_size == 1:
+        return
+    tags = comm.all_gather_object(tag)
+    if len(set(tags)) > 1:
+        message = f"checkpoint tags differ across ranks: {tags}"
+        if mode == "Fail":
+            raise ckpt.CheckpointError(message + " (checkpoint.tag_validation is Fail)")
+        log_rank0("warning: " + message, logging.WARNING)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

@@ -1,0 +1,64 @@
+"""An engine's event bus: a pluggy manager for the lifecycle hooks, whose failures name the plugin.
+
+Every part that joins the bus (observers, monitors, the ZeRO stage, the precision, compression
+methods, module-level lifecycle plugins) has its hook implementations wrapped so that an
+exception escaping one is re-raised as :class:`PluginHookError` naming the plugin and the hook —
+unless it is one of dsplug's own errors (checkpoint, config, plugin errors), which already say
+what is wrong and are re-raised unchanged.
+"""
+from __future__ import annotations
+
+import functools
+
+import pluggy
+
+from .hookspecs import PROJECT, LifecycleSpecs
+
+
+class PluginHookError(RuntimeError):
+    """A plugin's lifecycle hook raised; the message names the plugin and the hook."""
+
+    def __init__(self, message: str, plugin: str, hook: str):
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+
+
+def new_bus() -> pluggy.PluginManager:
+    bus = pluggy.PluginManager(PROJECT)
+    bus.add_hookspecs(LifecycleSpecs)
+    return bus
+
+
+def join(bus: pluggy.PluginManager, part, name: str) -> None:
+    """Register ``part`` on ``bus`` under ``name`` (once) with failure-naming hook calls."""
+    if bus.is_registered(part):
+        return
+    bus.register(part, name=name)
+    for caller in bus.get_hookcallers(part) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is part and not getattr(impl.function, "_dsplug_named", False):
+                impl.function = _naming_failures(impl.function, name, caller.name)
+
+
+def _passes_through(exc: BaseException) -> bool:
+    from .checkpoint import CheckpointError
+    from .config.schema import ConfigError
+    from .registry import PluginError
+
+    return isinstance(exc, (PluginHookError, CheckpointError, ConfigError, PluginError))
+
+
+def _naming_failures(function, plugin: str, hook: str):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as exc:
+            if _passes_through(exc):
+                raise
+            raise PluginHookError(f"plugin {plugin!r} raised in {hook}: {type(exc).__name__}: {exc}",
+                                  plugin, hook) from exc
+
+    call._dsplug_named = True
+    return call

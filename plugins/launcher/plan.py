@@ -1,0 +1,254 @@
+"""A launch request -> one command per node -> running them.
+
+Every node runs ``python -m dsplug.plugins.launcher.torchrun`` (``torch.distributed.run`` with the
+failed worker's exit code passed through) with ``--nnodes/--nproc_per_node/--node_rank/
+--master_addr/--master_port``; workers run the user script through :mod:`dsplug.plugins.launcher.shim`
+unless ``--no_local_rank``. A single node runs locally; several nodes (or ``--force_multi``) run
+over ``ssh host '<command>'``, where the remote command is built from :func:`shlex.quote`-d
+words only, so nothing from a hostfile, the environment or the command line is ever interpreted
+by the remote shell.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .envfile import check_env_key, default_env_files, remote_exports
+from .errors import LaunchError
+from .hostfile import DEFAULT_HOSTFILE, read_hostfile
+from .resources import Resources, limit_resources, select_resources
+
+DEFAULT_MASTER_PORT = 29500
+TORCHRUN_MODULE = "dsplug.plugins.launcher.torchrun"
+SHIM_MODULE = "dsplug.plugins.launcher.shim"
+LOCALHOST = "localhost"
+_ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*\Z")
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the user asked for; every field has the meaning of the ``dsplug launch`` flag of that name."""
+
+    script: str
+    script_args: Tuple[str, ...] = ()
+    hostfile: Optional[str] = None  # None: DEFAULT_HOSTFILE when it exists, else this machine alone
+    include: str = ""
+    exclude: str = ""
+    num_nodes: Optional[int] = None
+    procs_per_node: Optional[int] = None  # --num_gpus / --num_procs
+    master_addr: Optional[str] = None
+    master_port: int = DEFAULT_MASTER_PORT
+    local_rank_arg: bool = True  # False: --no_local_rank
+    module: bool = False
+    no_python: bool = False
+    force_multi: bool = False
+    ssh_port: Optional[int] = None
+    python: str = field(default_factory=lambda: sys.executable)
+    cwd: str = field(default_factory=os.getcwd)
+    # Slots of "localhost" when no hostfile is used, and the variable that limits which devices a
+    # process sees. Either may be a zero-argument callable, asked only when the value is needed
+    # (the CLI passes accelerator queries, which import torch).
+    local_devices: Union[int, Callable[[], int]] = 1
+    visible_devices_env: Union[str, Callable[[], str]] = "CUDA_VISIBLE_DEVICES"
+    env_files: Optional[Tuple[str, ...]] = None  # None: ~/.deepspeed_env and ./.deepspeed_env
+    default_hostfile: str = DEFAULT_HOSTFILE
+
+
+@dataclass
+class NodeCommand:
+    """The command for one node: ``argv`` run in ``cwd`` with ``env`` added to the node's environment."""
+
+    host: str
+    node_rank: int
+    slots: Tuple[int, ...]
+    argv: Tuple[str, ...]
+    env: Dict[str, str]
+    cwd: str
+    remote: bool
+    ssh_port: Optional[int] = None
+
+    def remote_shell_command(self) -> str:
+        """The string the remote shell runs; every word is quoted."""
+        words = ["cd", shlex.quote(self.cwd), "&&"]
+        if self.env:
+            words.append("env")
+            words += [shlex.quote(f"{key}={value}") for key, value in self.env.items()]
+        words += [shlex.quote(word) for word in self.argv]
+        return " ".join(words)
+
+    def process_argv(self) -> List[str]:
+        """What this machine executes (no shell involved here)."""
+        if not self.remote:
+            return list(self.argv)
+        port = ["-p", str(self.ssh_port)] if self.ssh_port is not None else []
+        return ["ssh", *port, self.host, self.remote_shell_command()]
+
+    def display(self) -> str:
+        """A shell line equivalent to running this node's command (what ``--print_only`` shows)."""
+        if self.remote:
+            return shlex.join(self.process_argv())
+        prefix = ["env", *(f"{key}={value}" for key, value in self.env.items())] if self.env else []
+        return shlex.join(prefix + list(self.argv))
+
+
+@dataclass
+class LaunchPlan:
+    resources: Resources
+    master_addr: str
+    master_port: int
+    multi_node: bool
+    nodes: List[NodeCommand]
+
+
+def _check_request(req: LaunchRequest) -> None:
+    if req.module and req.no_python:
+        raise LaunchError("--module and --no_python cannot be used together")
+    if (req.include or req.exclude) and (req.num_nodes is not None or req.procs_per_node is not None):
+        raise LaunchError(
+            "--num_nodes/--num_gpus/--num_procs cannot be combined with --include/--exclude; "
+            "name the hosts and slots in the filter instead"
+        )
+    if not 1 <= req.master_port <= 65535:
+        raise LaunchError(f"--master_port must be in 1..65535, got {req.master_port}")
+    if req.ssh_port is not None and not 1 <= req.ssh_port <= 65535:
+        raise LaunchError(f"--ssh_port must be in 1..65535, got {req.ssh_port}")
+    if req.master_addr is not None and not _ADDRESS.match(req.master_addr):
+        raise LaunchError(
+            f"--master_addr {req.master_addr!r} is not a host name or IP address "
+            "(letters, digits, '.', '_', ':', '-')"
+        )
+    if not req.script:
+        raise LaunchError("no script given; usage: dsplug launch [options] script.py [script args]")
+
+
+def _resource_pool(req: LaunchRequest) -> Tuple[Dict[str, int], str, bool]:
+    """(pool, description for messages, whether it came from a hostfile)."""
+    if req.hostfile is not None:
+        return read_hostfile(req.hostfile), f"hostfile {req.hostfile!r}", True
+    if os.path.isfile(req.default_hostfile):
+        return read_hostfile(req.default_hostfile), f"hostfile {req.default_hostfile!r}", True
+    if req.procs_per_node is not None:  # the device count would be overridden anyway
+        return {LOCALHOST: req.procs_per_node}, "this machine (no hostfile)", False
+    count = _resolve(req.local_devices)
+    if count < 1:
+        raise LaunchError("this machine reports no devices; pass --num_gpus/--num_procs N")
+    return {LOCALHOST: count}, "this machine (no hostfile)", False
+
+
+def _resolve(value):
+    return value() if callable(value) else value
+
+
+def _worker_target(req: LaunchRequest) -> List[str]:
+    """The part of the torchrun command line naming what each worker runs."""
+    if req.local_rank_arg:
+        mode = ["--module"] if req.module else ["--no_python"] if req.no_python else []
+        return ["-m", SHIM_MODULE, *mode, req.script, *req.script_args]
+    if req.module:
+        return ["-m", req.script, *req.script_args]
+    if req.no_python:
+        return ["--no-python", req.script, *req.script_args]
+    return [req.script, *req.script_args]
+
+
+def plan_launch(req: LaunchRequest, environ: Optional[Mapping[str, str]] = None) -> LaunchPlan:
+    """Resolve resources and build each node's command; raises :class:`LaunchError` on bad input."""
+    environ = os.environ if environ is None else environ
+    _check_request(req)
+    pool, source, from_hostfile = _resource_pool(req)
+    if not from_hostfile and req.num_nodes is not None and req.num_nodes > 1:
+        raise LaunchError(
+            f"--num_nodes {req.num_nodes} needs a hostfile listing the nodes; none was given "
+            f"with --hostfile and {req.default_hostfile} does not exist"
+        )
+    resources = select_resources(pool, req.include, req.exclude, source)
+    resources = limit_resources(resources, req.num_nodes, req.procs_per_node, source)
+    multi_node = req.force_multi or len(resources) > 1
+    hosts = list(resources)
+    master_addr = req.master_addr or (hosts[0] if multi_node else "127.0.0.1")
+
+    exports: Dict[str, str] = {}
+    if multi_node:
+        files = req.env_files if req.env_files is not None else default_env_files(environ, req.cwd)
+        exports = remote_exports(environ, req.cwd, files)
+    target = _worker_target(req)
+    nodes = []
+    for rank, host in enumerate(hosts):
+        slots = resources[host]
+        env = dict(exports)
+        if slots != list(range(len(slots))):  # a subset of the devices: make only those visible
+            name = check_env_key(_resolve(req.visible_devices_env), "visible devices variable")
+            env[name] = ",".join(str(s) for s in slots)
+        argv = [
+            req.python, "-u", "-m", TORCHRUN_MODULE,
+            "--nnodes", str(len(hosts)),
+            "--nproc_per_node", str(len(slots)),
+            "--node_rank", str(rank),
+            "--master_addr", master_addr,
+            "--master_port", str(req.master_port),
+            *target,
+        ]  # fmt: skip
+        nodes.append(NodeCommand(host, rank, tuple(slots), tuple(argv), env, req.cwd, multi_node, req.ssh_port))
+    return LaunchPlan(resources, master_addr, req.master_port, multi_node, nodes)
+
+
+def exit_status(returncode: int) -> int:
+    """A child's return code as a shell exit status (death by signal N -> 128 + N)."""
+    if returncode < 0:
+        return 128 + (-returncode)
+    return returncode if returncode <= 255 else 1
+
+
+def execute(
+    plan: LaunchPlan,
+    environ: Optional[Mapping[str, str]] = None,
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+    poll_interval: float = 0.1,
+) -> int:
+    """Start every node's command and wait; returns the first failing node's exit status, else 0."""
+    base_env = dict(os.environ if environ is None else environ)
+    running = []
+    for node in plan.nodes:
+        env = base_env if node.remote else {**base_env, **node.env}
+        running.append((node, popen(node.process_argv(), env=env, cwd=node.cwd)))
+    status = 0
+    try:
+        pending = list(running)
+        while pending:
+            for item in list(pending):
+                node, proc = item
+                code = proc.poll()
+                if code is None:
+                    continue
+                pending.remove(item)
+                if code != 0 and status == 0:
+                    status = exit_status(code)
+                    where = f"node {node.node_rank} ({node.host})" if plan.multi_node else "the local workers"
+                    print(f"dsplug launch: {where} exited with status {status}", file=sys.stderr)
+            if pending:
+                time.sleep(poll_interval)
+    except KeyboardInterrupt:
+        _stop(running)
+        return 128 + signal.SIGINT
+    return status
+
+
+def _stop(running: Sequence[Tuple[NodeCommand, subprocess.Popen]], grace: float = 10.0) -> None:
+    """Ask every still-running child to stop (local ones already got the terminal's SIGINT)."""
+    for _node, proc in running:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for _node, proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,31 @@
+"""``python -m dsplug.plugins.launcher.torchrun [torch.distributed.run arguments]``.
+
+Runs ``torch.distributed.run`` unchanged, except for the exit status: torchrun exits with 1
+whatever its workers returned; this exits with the status of the first worker that failed
+(128 + N for a worker killed by signal N), like DeepSpeed's launcher does.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .plan import exit_status
+
+    try:
+        torch_run.main(list(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as failed:
+        _rank, failure = failed.get_first_failure()
+        return exit_status(failure.exitcode) or 1
+    except SignalException as stopped:
+        return 128 + int(stopped.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
