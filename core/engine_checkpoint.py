@@ -100,50 +100,87 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     ckpt.check_tag(tag)
     _validate_tag(engine, tag)
     rank0 = engine.global_rank == 0
-    _on_every_rank("preparing", lambda: ckpt.begin(save_dir, tag) if rank0 else None)
+
+    def prepare():
+        if rank0:
+            removed = ckpt.reclaim_leftovers(save_dir)
+            if removed:
+                log_rank0(f"checkpoint: removed leftovers of crashed saves in {save_dir}: {', '.join(removed)}")
+            ckpt.begin(save_dir, tag)
+
+    _on_every_rank("preparing", prepare)
     staging = ckpt.partial_dir(save_dir, tag)
     options = SaveOptions(tag=tag, save_dir=save_dir, exclude_frozen_parameters=exclude_frozen_parameters)
     shared = collect(engine, "model", options)  # every rank: contributions may be collectives
     own = collect(engine, "rank", options)
 
     def write_files():
+        files = {}
         if rank0:
-            ckpt.atomic_save({**shared, "client_state": dict(client_state or {}), "world_size": engine.world_size,
-                              "ds_config": engine.config.to_dict(), "dsplug_version": _version()},
-                             os.path.join(staging, ckpt.MODEL_FILE))
-        ckpt.atomic_save({**own, "rank": engine.global_rank, "world_size": engine.world_size},
-                         os.path.join(staging, ckpt.optim_file(engine.global_rank)))
-        ckpt.atomic_save(ckpt.rng_state(engine.accelerator), os.path.join(staging, ckpt.rng_file(engine.global_rank)))
+            files[ckpt.MODEL_FILE] = ckpt.atomic_save(
+                {**shared, "client_state": dict(client_state or {}), "world_size": engine.world_size,
+                 "ds_config": engine.config.to_dict(), "dsplug_version": _version()},
+                os.path.join(staging, ckpt.MODEL_FILE))
+        rank = engine.global_rank
+        files[ckpt.optim_file(rank)] = ckpt.atomic_save({**own, "rank": rank, "world_size": engine.world_size},
+                                                        os.path.join(staging, ckpt.optim_file(rank)))
+        files[ckpt.rng_file(rank)] = ckpt.atomic_save(ckpt.rng_state(engine.accelerator),
+                                                      os.path.join(staging, ckpt.rng_file(rank)))
+        return files
 
-    _on_every_rank("writing", write_files)
-    _on_every_rank("committing", lambda: ckpt.commit(save_dir, tag, save_latest) if rank0 else None)
+    written = _on_every_rank("writing", write_files, gather=True)
+
+    def commit():
+        if not rank0:
+            return
+        files = {name: entry for per_rank in written for name, entry in per_rank.items()}
+        ckpt.write_manifest(staging, files, tag=tag, global_steps=engine.global_steps, world_size=engine.world_size,
+                            save_latest=bool(save_latest))
+        ckpt.commit(save_dir, tag, save_latest)
+        keep_last = engine.config.checkpoint.keep_last
+        if keep_last:
+            removed = ckpt.prune(save_dir, keep_last, keep=(tag, ckpt.read_latest(save_dir) or tag))
+            if removed:
+                log_rank0(f"checkpoint: keep_last={keep_last}: removed {', '.join(removed)}")
+
+    _on_every_rank("committing", commit)
     return True
 
 
 def load_checkpoint(engine, load_dir, tag=None, **flags):
     load_dir = os.fspath(load_dir)
     if tag is None:
-        tag = ckpt.read_latest(load_dir)
+        tag, why = _on_every_rank("finding the newest checkpoint", lambda: ckpt.newest_tag(load_dir), gather=True)[0]
+        if why:
+            log_rank0(f"warning: {why}", logging.WARNING)
         if tag is None:
             log_rank0(f"warning: no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a "
                       "specific checkpoint)", logging.WARNING)
             return None, None
     path = _tag_dir(load_dir, str(tag))
     weights_only = engine.config.checkpoint.weights_only
-    shared = ckpt.load_file(os.path.join(path, ckpt.MODEL_FILE), weights_only)
-    saved_world = int(shared.get("world_size", 1))
+    options = LoadOptions(**flags)
 
     def read_rank(rank: int) -> dict:
         return ckpt.load_file(os.path.join(path, ckpt.optim_file(rank)), weights_only)
 
-    options = LoadOptions(**flags)
-    own = {} if options.load_module_only else read_rank(min(engine.global_rank, saved_world - 1))
-    view = CheckpointView(model=shared, rank=own, saved_world_size=saved_world, read_rank=read_rank,
-                          options=options, path=path)
+    def read_own_files():
+        # every rank reads (and verifies) its files before any part loads, so a bad file on one
+        # rank fails every rank with the same error instead of a hang in the next collective
+        shared = ckpt.load_file(os.path.join(path, ckpt.MODEL_FILE), weights_only)
+        saved_world = int(shared.get("world_size", 1))
+        own = {} if options.load_module_only else read_rank(min(engine.global_rank, saved_world - 1))
+        rng_path = os.path.join(path, ckpt.rng_file(engine.global_rank))
+        rng = ckpt.load_file(rng_path, weights_only) if not options.load_module_only and os.path.exists(rng_path) \
+            else None
+        return shared, own, rng
+
+    shared, own, rng = _on_every_rank("reading", read_own_files, same_error=True)[engine.global_rank]
+    view = CheckpointView(model=shared, rank=own, saved_world_size=int(shared.get("world_size", 1)),
+                          read_rank=read_rank, options=options, path=path)
     engine.events.hook.dsplug_load_checkpoint_state(engine=engine, checkpoint=view)
-    rng_path = os.path.join(path, ckpt.rng_file(engine.global_rank))
-    if not options.load_module_only and os.path.exists(rng_path):
-        ckpt.set_rng_state(ckpt.load_file(rng_path, weights_only), engine.accelerator)
+    if rng is not None:
+        ckpt.set_rng_state(rng, engine.accelerator)
     return path, shared.get("client_state", {})
 
 
@@ -161,21 +198,32 @@ def _tag_dir(load_dir: str, tag: str) -> str:
     return path
 
 
-def _on_every_rank(what: str, step) -> None:
-    """Run ``step`` here, then agree with every rank on whether it worked (a collective)."""
-    error = None
+def _on_every_rank(what: str, step, same_error: bool = False, gather: bool = False) -> list:
+    """Run ``step`` here, then agree with every rank on whether it worked (a collective).
+
+    Returns one result per rank when all succeeded: this rank's at its own index, and the other
+    ranks' too with ``gather`` (small, picklable results only), else None there. A failure anywhere
+    raises everywhere; with ``same_error`` every rank raises the same message.
+    """
+    error, result = None, None
     try:
-        step()
+        result = step()
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = exc
-    failures = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, text) for rank, text in enumerate(failures) if text]
+    shared = result if gather else None
+    outcomes = comm.all_gather_object((None, shared) if error is None else (f"{type(error).__name__}: {error}", None))
+    failed = [(rank, text) for rank, (text, _) in enumerate(outcomes) if text]
     if failed:
         rank, text = failed[0]
-        raise ckpt.CheckpointError(f"checkpoint {what} failed on rank {rank}: {text}; the previous "
-                                   "checkpoint is untouched")
+        if error is not None and not same_error:
+            raise error
+        saving = what in ("preparing", "writing", "committing")
+        raise ckpt.CheckpointError(f"checkpoint {what} failed on rank {rank}: {text}" +
+                                   ("; the previous checkpoint is untouched" if saving else
+                                    "; nothing was loaded on any rank")) from error
+    results = [value for _, value in outcomes]
+    results[comm.get_rank()] = result
+    return results
 
 
 def _validate_tag(engine, tag: str) -> None:

@@ -1,6 +1,6 @@
 """The ``dsplug`` command line.
 
-The kernel's own commands (``list``, ``config``, ``report``, ``build-ops``) are the modules named
+The kernel's own commands (``list``, ``config``, ``report``, ``build-ops``, ``checkpoint``) are the modules named
 in :data:`KERNEL_COMMANDS`; each defines ``add_parser(subparsers)``, which adds its parser and
 sets ``func`` (``args -> exit code``). Every other command comes from a plugin through the
 ``dsplug_cli_commands`` hook (:class:`dsplug.descriptors.CliCommand`). Commands import heavy
@@ -13,7 +13,7 @@ import importlib
 import sys
 
 #: the kernel's commands, by module under dsplug.cli
-KERNEL_COMMANDS = ("cmd_list", "cmd_config", "cmd_report", "cmd_build_ops")
+KERNEL_COMMANDS = ("cmd_list", "cmd_config", "cmd_report", "cmd_build_ops", "cmd_checkpoint")
 
 
 def build_parser(registry=None) -> argparse.ArgumentParser:
