@@ -60,6 +60,14 @@ def test_hostfile_comments_blank_lines_and_order(tmp_path):
         ("$(reboot) slots=1\n", 1, ["invalid host name '$(reboot)'"]),
         ("-oProxyCommand=sh slots=1\n", 1, ["invalid host name '-oProxyCommand=sh'"]),
         ("worker-0 slots=2\nworker-1 slots=2\nworker-0 slots=4\n", 3, ["'worker-0' is listed again (first on line 1)"]),
+        # absurd values: a clear error with the value and the bound, never an OverflowError
+        ("a slots=1\nworker-0 slots=%d\n" % 10**30, 2, ["slots='1000000000000000000000000000000'", "'worker-0'",
+                                                        "at most 4096"]),
+        ("worker-0 slots=4097\n", 1, ["slots='4097'", "at most 4096"]),
+        ("worker-0 slots=" + "9" * 5000 + "\n", 1, ["(5000 characters)", "at most 4096"]),
+        ("worker-0 slots=\n", 1, ["slots=''", "not a positive integer"]),
+        ("worker-0 slots=١٢\n", 1, ["slots='١٢'", "not a positive integer"]),  # non-ASCII digits
+        ("h" * 254 + " slots=1\n", 1, ["(254 characters) is longer than 253 characters"]),
     ],
 )
 def test_bad_hostfile_names_file_line_and_text(tmp_path, text, lineno, fragments):
@@ -71,6 +79,33 @@ def test_bad_hostfile_names_file_line_and_text(tmp_path, text, lineno, fragments
     assert message.startswith(f"{path}:{lineno}:"), message
     for fragment in fragments:
         assert fragment in message, message
+
+
+def test_largest_slot_count_is_accepted_and_absurd_ones_never_reach_a_range(tmp_path):
+    from dsplug.plugins.launcher.hostfile import MAX_SLOTS
+
+    assert parse_hostfile_text(f"w slots={MAX_SLOTS}\nv slots=0007\n") == {"w": MAX_SLOTS, "v": 7}
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"w slots={10**30}\n")
+    with pytest.raises(LaunchError, match=rf"^{hostfile}:1: slots='1{'0' * 30}' for host 'w' is more than"):
+        plan_launch(_request(tmp_path, script="s.py", hostfile=str(hostfile)))
+    for procs in (MAX_SLOTS + 1, 10**30):
+        with pytest.raises(LaunchError, match=rf"--num_gpus/--num_procs .* is more processes than a node can run "
+                                              rf"\(at most {MAX_SLOTS}\)"):
+            plan_launch(_request(tmp_path, script="s.py", procs_per_node=procs))
+    with pytest.raises(LaunchError, match=rf"slot 99999999...99999999 \(30 digits\) of host 'w' is out of range "
+                                          rf"\(slots are numbered 0..{MAX_SLOTS - 1} at most\)"):
+        parse_resource_spec("w:1,0@w:" + "9" * 30)
+
+
+def test_cli_reports_an_absurd_hostfile_value_without_a_traceback(tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# big\nworker-0 slots=%d\n" % 10**30)
+    assert cli_main(["launch", "--hostfile", str(hostfile), "--print_only", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"{hostfile}:2: slots='{10**30}' for host 'worker-0'" in err and "Traceback" not in err
+    assert cli_main(["launch", "--num_procs", str(10**30), "--print_only", "train.py"]) == 2
+    assert "is more processes than a node can run" in capsys.readouterr().err
 
 
 def test_empty_or_missing_hostfile(tmp_path):
@@ -533,3 +568,50 @@ def test_child_exit_code_propagates_and_no_local_rank(tmp_path, dsplug_launch):
     result = dsplug_launch(script, "--x", procs=1, extra=["--no_local_rank"])
     assert result.returncode == 7, result.stdout + result.stderr
     assert "exited with status 7" in result.stderr
+
+
+SIGINT_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    out = sys.argv[-1]
+    got = []
+    signal.signal(signal.SIGINT, lambda *_: got.append(time.time()))
+    open(os.path.join(out, "ready-" + os.environ["RANK"]), "w").close()
+    deadline = time.time() + 60
+    while not got and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # "saving": any further SIGINT arrives meanwhile
+    with open(os.path.join(out, "got-" + os.environ["RANK"]), "w") as f:
+        f.write(str(len(got)))
+    sys.exit(130 if got else 3)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_reaches_every_worker_exactly_once_and_they_may_finish(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "worker.py"
+    script.write_text(SIGINT_WORKER)
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", "launch", "--num_procs", "2", "--master_port",
+                             str(free_port()), "--no_local_rank", str(script), str(tmp_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert [(tmp_path / f"got-{r}").read_text() for r in range(2)] == ["1", "1"]  # each worker: once, and it finished
+    assert "got SIGINT: passed it on to the workers" in err and "exited with status" not in err

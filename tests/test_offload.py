@@ -7,7 +7,11 @@ too small. Two-process runs (stages 2 and 3) are in test_offload_dist.py.
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
+import subprocess
+import sys
 import types
 
 import pytest
@@ -315,6 +319,87 @@ def test_swap_files_are_private_exist_while_training_and_are_removed_at_destroy(
     assert engine.stage.partitioner.pool.count == 2 and engine.stage.partitioner.reads > 0
     engine.destroy()
     assert os.listdir(tmp_path) == []
+
+
+def _fake_swap_dir(root, name, owner):
+    d = root / name
+    d.mkdir()
+    (d / "opt_group0_master.swp").write_bytes(b"\0" * 5000)
+    (d / "sub").mkdir()
+    (d / "sub" / "x.swp").write_bytes(b"\1" * 100)
+    if owner is not None:
+        from dsplug.plugins.offload.swap import OWNER_FILE
+
+        (d / OWNER_FILE).write_text(json.dumps(owner))
+    return d
+
+
+def test_swap_dirs_of_dead_runs_on_this_host_are_reclaimed_at_initialize(tmp_path, capsys):
+    from dsplug.plugins.offload.swap import OWNER_FILE, current_owner, read_owner
+
+    me = current_owner()
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its pid is now free: a run that died without cleaning up
+    dead = dict(me, pid=finished.pid, start_time=None)
+    stale = _fake_swap_dir(tmp_path, f"dsplug-offload_optimizer-rank0-pid{finished.pid}-abc", dead)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        kept = {
+            "live": _fake_swap_dir(tmp_path, "dsplug-offload_param-rank1-live",
+                                   dict(me, pid=live.pid, start_time=None)),
+            "mine": _fake_swap_dir(tmp_path, "dsplug-offload_param-rank0-mine", me),
+            "other host": _fake_swap_dir(tmp_path, "dsplug-offload_optimizer-rank0-elsewhere",
+                                         dict(dead, host=me["host"] + "-other")),
+            "no owner": _fake_swap_dir(tmp_path, "dsplug-offload_optimizer-rank0-old", None),
+            "not dsplug's": _fake_swap_dir(tmp_path, "mydata", dead),
+        }
+        capsys.readouterr()
+        engine = engine_for({"offload_optimizer": nvme(tmp_path)})
+        out = capsys.readouterr().out
+        assert not stale.exists(), out
+        assert re.search(rf"removed the stale swap directory {re.escape(str(stale))} \(5\.\d KiB\) left by process "
+                         rf"{finished.pid} on {re.escape(me['host'])}: that process is no longer running", out), out
+        assert out.count("removed the stale swap directory") == 1
+        for why, d in kept.items():
+            assert (d / "opt_group0_master.swp").is_file(), why
+        # this run's own directory names its owner, so the next run can tell whether it is alive
+        prefix = f"dsplug-offload_optimizer-rank0-pid{os.getpid()}-"
+        (mine,) = [d for d in tmp_path.iterdir() if d.name.startswith(prefix)]
+        assert read_owner(str(mine)) == current_owner()
+        assert all(OWNER_FILE not in f for f in engine.stage.store.swap_files())
+        engine.destroy()
+        assert not mine.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_reclaiming_a_reused_pid_a_rebooted_host_and_an_unfinished_removal(tmp_path):
+    from dsplug.plugins.offload.swap import _start_time, current_owner, owner_is_dead, reclaim_stale_swap_dirs
+
+    me = current_owner()
+    lines = []
+    assert not owner_is_dead(me, me)  # this very process
+    # a live pid (our parent's) recorded with another start time: the owner died and the pid was reused
+    parent_start = _start_time(os.getppid())
+    reused = _fake_swap_dir(tmp_path, "dsplug-a", dict(me, pid=os.getppid(), start_time=(parent_start or 0) + 1))
+    assert not owner_is_dead(dict(me, pid=os.getppid(), start_time=parent_start), me)  # the same process: alive
+    rebooted = _fake_swap_dir(tmp_path, "dsplug-b", dict(me, pid=1, boot_id="another-boot"))
+    other_ns = _fake_swap_dir(tmp_path, "dsplug-c", dict(me, pid=2 ** 22 + 1, pid_namespace="pid:[1]"))
+    # a reclaimer that died half-way (its pid is gone): finished by the next run
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    unfinished = _fake_swap_dir(tmp_path, f"dsplug-d.reclaiming-{gone.pid}", dict(me, pid=gone.pid, start_time=None))
+    # one being removed right now by a live process: left to it
+    busy = _fake_swap_dir(tmp_path, f"dsplug-e.reclaiming-{os.getppid()}", dict(me, pid=gone.pid, start_time=None))
+    removed = reclaim_stale_swap_dirs(str(tmp_path), log=lines.append)
+    if me["start_time"] is not None:  # /proc is there: a pid reused by another process is detected
+        assert str(reused) in removed and not reused.exists()
+    if me["boot_id"] is not None:
+        assert str(rebooted) in removed and "the machine has restarted since" in " ".join(lines)
+    assert str(tmp_path / "dsplug-d") in removed and not unfinished.exists()
+    assert other_ns.exists() and busy.exists()
+    assert len(lines) == len(removed)
 
 
 def test_a_corrupted_swap_file_is_detected_with_its_name(tmp_path, monkeypatch):

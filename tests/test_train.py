@@ -7,8 +7,11 @@ import io
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +158,123 @@ def test_two_processes(tmp_path):
     assert config["train_batch_size"] == 2 * config["train_micro_batch_size_per_gpu"]
     assert list(printed_path(stdout, "tensorboard").glob("events.out.tfevents.*"))
     assert [s for s, _ in loss_rows(out / "csv_monitor")] == [config["train_batch_size"] * k for k in range(1, 5)]
+
+
+# ------------------------------------------------------------------------------ Ctrl-C
+def interrupted_run(*args, cwd, after_step=3, timeout=300):
+    """Start ``dsplug train ARGS`` in its own session, send SIGINT to the whole process group (as a
+    terminal's Ctrl-C does) once the progress shows ``after_step``; returns (returncode, stdout, stderr)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", "train", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            match = re.search(r"step (\d+)/", line)
+            if match and int(match.group(1)) >= after_step:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc.returncode, "".join(seen) + out, err
+
+
+def resume_line(stderr: str):
+    match = re.search(r"^resume this run with:\n  (dsplug train .*)$", stderr, re.MULTILINE)
+    assert match, stderr
+    return match.group(1)
+
+
+def check_interrupted(code, stdout, stderr, out: Path, config: Path, nproc: int = 1) -> int:
+    """The run stopped with 130 after a step >= 3, saved that step and printed the resume line; returns the step."""
+    assert code == 130, f"exit {code}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    assert "Ctrl-C: stopping after this step to save a checkpoint" in stderr
+    match = re.search(r"^dsplug train: interrupted at step (\d+) of 1000 .*; checkpoint: (\S+)$", stderr, re.MULTILINE)
+    assert match, stderr
+    step = int(match.group(1))
+    assert 3 <= step < 1000
+    tag = out / "checkpoints" / f"global_step{step}"
+    assert Path(match.group(2)) == tag and (out / "checkpoints" / "latest").read_text().strip() == tag.name
+    for rank in range(nproc):
+        assert (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [tag.name, "latest"]
+    words = shlex.split(resume_line(stderr))
+    expected = ["dsplug", "train", str(config)] + (["--nproc", str(nproc)] if nproc > 1 else []) + \
+        ["--output-dir", str(out), "--steps", "1000", "--save-interval", "500", "--seq-len", "32", "--d-model", "32",
+         "--layers", "1", "--heads", "2", "--sample-chars", "0", "--resume"]
+    assert words == expected, (words, expected)
+    assert "held-out loss" not in stdout and "Traceback" not in stderr
+    return step
+
+
+CTRL_C_CONFIG = dict(STEP_INDEPENDENT_CONFIG, steps_per_print=1, train_micro_batch_size_per_gpu=8)
+
+
+def test_ctrl_c_saves_the_current_step_and_prints_the_resume_command(tmp_path):
+    config = tmp_path / "my config.json"  # a space: the printed command must quote it
+    config.write_text(json.dumps(CTRL_C_CONFIG))
+    out = tmp_path / "run"
+    code, stdout, stderr = interrupted_run(str(config), "--steps", "1000", "--save-interval", "500",
+                                           "--output-dir", str(out), *TINY[:-2], "--sample-chars", "0", cwd=tmp_path)
+    step = check_interrupted(code, stdout, stderr, out, config)
+    # the printed command continues the run from that checkpoint (here only 2 more steps)
+    words = shlex.split(resume_line(stderr))
+    resumed = run_train(*words[2:], "--steps", str(step + 2), cwd=tmp_path)
+    text = ok(resumed)
+    assert f"global_step{step} at step {step}" in text and f"training steps {step + 1}..{step + 2}" in text
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"global_step{step + 2}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_with_two_processes_saves_every_rank_at_the_same_step(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CTRL_C_CONFIG))
+    out = tmp_path / "run"
+    code, stdout, stderr = interrupted_run(str(config), "--nproc", "2", "--steps", "1000", "--save-interval", "500",
+                                           "--output-dir", str(out), *TINY[:-2], "--sample-chars", "0", cwd=tmp_path)
+    step = check_interrupted(code, stdout, stderr, out, config, nproc=2)
+    assert stderr.count("interrupted at step") == 1  # rank 0 reports
+    words = shlex.split(resume_line(stderr))
+    text = ok(run_train(*words[2:], "--steps", str(step + 1), cwd=tmp_path))
+    assert "2 processes" in text and f"global_step{step} at step {step}" in text
+
+
+def test_interrupt_flag_then_abort_on_the_second_sigint():
+    from dsplug.plugins.train.interrupt import Interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = Interrupt(announce=False).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the Python-level handler runs between bytecodes
+        assert stop.requested and stop.agreed(type("E", (), {"world_size": 1})())
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_resume_command_quotes_and_keeps_the_options(tmp_path):
+    from dsplug.plugins.train.options import resume_command
+
+    args = parse("cfg dir/c.json", "--nproc", "2", "--seed", "5", "--layers", "3", "--threads", "1",
+                 "--save-interval", "7", "--text", "it's.txt", "--master-port", "29999")
+    line = resume_command(args, "/runs/a b", 40, 2)
+    assert shlex.split(line) == ["dsplug", "train", os.path.abspath("cfg dir/c.json"), "--nproc", "2",
+                                 "--output-dir", "/runs/a b", "--steps", "40", "--save-interval", "7", "--seed", "5",
+                                 "--layers", "3", "--threads", "1", "--text", os.path.abspath("it's.txt"),
+                                 "--master-port", "29999", "--resume"]
+    # a worker sees the parent's options through worker_argv (and --nproc as WORLD_SIZE)
+    worker = parse(*worker_argv(args, "/runs/a b", 40))
+    assert resume_command(worker, "/runs/a b", 40, 2) == line
 
 
 # ------------------------------------------------------------------------------ refusals (in process)

@@ -16,6 +16,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -23,7 +24,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 from .envfile import check_env_key, default_env_files, remote_exports
 from .errors import LaunchError
 from .hostfile import DEFAULT_HOSTFILE, read_hostfile
-from .resources import Resources, limit_resources, select_resources
+from .resources import Resources, check_procs_per_node, limit_resources, select_resources
 
 DEFAULT_MASTER_PORT = 29500
 TORCHRUN_MODULE = "dsplug.plugins.launcher.torchrun"
@@ -115,6 +116,10 @@ def _check_request(req: LaunchRequest) -> None:
             "--num_nodes/--num_gpus/--num_procs cannot be combined with --include/--exclude; "
             "name the hosts and slots in the filter instead"
         )
+    if req.procs_per_node is not None:
+        check_procs_per_node(req.procs_per_node)
+    if req.num_nodes is not None and req.num_nodes < 1:
+        raise LaunchError(f"--num_nodes must be a positive integer, got {req.num_nodes}")
     if not 1 <= req.master_port <= 65535:
         raise LaunchError(f"--master_port must be in 1..65535, got {req.master_port}")
     if req.ssh_port is not None and not 1 <= req.ssh_port <= 65535:
@@ -206,22 +211,55 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode <= 255 else 1
 
 
+#: Signals :func:`execute` passes on to the node commands (the first time) instead of dying of them.
+FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
 def execute(
     plan: LaunchPlan,
     environ: Optional[Mapping[str, str]] = None,
     popen: Callable[..., subprocess.Popen] = subprocess.Popen,
     poll_interval: float = 0.1,
+    name: str = "dsplug launch",
 ) -> int:
-    """Start every node's command and wait; returns the first failing node's exit status, else 0."""
+    """Start every node's command and wait; returns the first failing node's exit status, else 0.
+
+    Local node commands (torchrun) run in their own session, so a Ctrl-C at the terminal reaches
+    only this process, which passes exactly one SIGINT to each of them; torchrun passes it on to
+    its workers and waits for them (a training script can then finish its step and save, as
+    ``dsplug train`` does). SIGTERM and SIGHUP are passed on the same way. A second signal stops
+    every child at once (terminate, then kill). After a signal the result is the children's
+    failure status, else ``128 + signal``. ``name`` prefixes the messages.
+    """
     base_env = dict(os.environ if environ is None else environ)
-    running = []
-    for node in plan.nodes:
-        env = base_env if node.remote else {**base_env, **node.env}
-        running.append((node, popen(node.process_argv(), env=env, cwd=node.cwd)))
-    status = 0
+    received: List[int] = []
+    previous: Dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig_name in FORWARDED_SIGNALS:
+            sig = getattr(signal, sig_name, None)
+            if sig is None or signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # e.g. SIGINT of a background job: not ours to handle
+            previous[sig] = signal.signal(sig, lambda signum, _frame: received.append(signum))
+    running: List[Tuple[NodeCommand, subprocess.Popen]] = []
     try:
+        for node in plan.nodes:
+            if node.remote:
+                running.append((node, popen(node.process_argv(), env=base_env, cwd=node.cwd)))
+            else:
+                running.append((node, popen(node.process_argv(), env={**base_env, **node.env}, cwd=node.cwd,
+                                            start_new_session=True)))
+        status, handled = 0, 0
         pending = list(running)
         while pending:
+            if len(received) > handled:
+                if handled == 0:
+                    _forward(running, received[0], name)
+                handled = len(received)
+                if handled > 1:  # asked twice: stop now
+                    print(f"{name}: {signal.Signals(received[-1]).name} again: stopping the workers now",
+                          file=sys.stderr, flush=True)
+                    _stop(running)
+                    return status or 128 + received[0]
             for item in list(pending):
                 node, proc = item
                 code = proc.poll()
@@ -230,18 +268,36 @@ def execute(
                 pending.remove(item)
                 if code != 0 and status == 0:
                     status = exit_status(code)
+                    if received and status == 128 + received[0]:
+                        continue  # stopped by the signal it was sent: expected, not a failure to report
                     where = f"node {node.node_rank} ({node.host})" if plan.multi_node else "the local workers"
-                    print(f"dsplug launch: {where} exited with status {status}", file=sys.stderr)
+                    print(f"{name}: {where} exited with status {status}", file=sys.stderr)
             if pending:
                 time.sleep(poll_interval)
-    except KeyboardInterrupt:
-        _stop(running)
-        return 128 + signal.SIGINT
-    return status
+        return status or (128 + received[0] if received else 0)
+    except BaseException:
+        _stop(running)  # an error here (or a KeyboardInterrupt where no handler could be set): no orphans
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _forward(running: Sequence[Tuple[NodeCommand, subprocess.Popen]], sig: int, name: str) -> None:
+    """Pass ``sig`` once to every child still running."""
+    for _node, proc in running:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(sig)
+            except OSError:
+                pass
+    again = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+    print(f"{name}: got {signal.Signals(sig).name}: passed it on to the workers; waiting for them to finish "
+          f"({again} again to stop them at once)", file=sys.stderr, flush=True)
 
 
 def _stop(running: Sequence[Tuple[NodeCommand, subprocess.Popen]], grace: float = 10.0) -> None:
-    """Ask every still-running child to stop (local ones already got the terminal's SIGINT)."""
+    """Stop every still-running child now: SIGTERM, then SIGKILL after ``grace`` seconds."""
     for _node, proc in running:
         if proc.poll() is None:
             proc.terminate()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .errors import LaunchError
-from .hostfile import validate_hostname
+from .hostfile import MAX_SLOTS, validate_hostname
 
 NODE_SEP = "@"
 SLOT_LIST_START = ":"
@@ -52,7 +52,14 @@ def parse_resource_spec(spec: str, flag: str = "--include") -> List[NodeSpec]:
                 raise LaunchError(
                     f"{flag} {spec!r}: slot {token!r} of host {host!r} is not a non-negative integer; {_SYNTAX}"
                 )
-            slots.append(int(token))
+            digits = token.lstrip("0") or "0"
+            if len(digits) > len(str(MAX_SLOTS)) or int(digits) >= MAX_SLOTS:
+                shown = token if len(token) <= 20 else f"{token[:8]}...{token[-8:]} ({len(token)} digits)"
+                raise LaunchError(
+                    f"{flag} {spec!r}: slot {shown} of host {host!r} is out of range (slots are numbered "
+                    f"0..{MAX_SLOTS - 1} at most)"
+                )
+            slots.append(int(digits))
         nodes.append(NodeSpec(host, tuple(slots)))
     return nodes
 
@@ -102,6 +109,17 @@ def select_resources(
     return result
 
 
+def check_procs_per_node(procs_per_node: int) -> int:
+    """``--num_gpus/--num_procs``: a positive integer no larger than :data:`MAX_SLOTS`."""
+    if procs_per_node < 1:
+        raise LaunchError(f"--num_gpus/--num_procs must be a positive integer, got {procs_per_node}")
+    if procs_per_node > MAX_SLOTS:
+        shown = str(procs_per_node) if procs_per_node < 10**20 else "a number of more than 20 digits,"
+        raise LaunchError(f"--num_gpus/--num_procs {shown} is more processes than a node can run "
+                          f"(at most {MAX_SLOTS})")
+    return procs_per_node
+
+
 def limit_resources(
     resources: Mapping[str, List[int]],
     num_nodes: Optional[int] = None,
@@ -120,7 +138,6 @@ def limit_resources(
             )
         hosts = hosts[:num_nodes]
     if procs_per_node is not None:
-        if procs_per_node < 1:
-            raise LaunchError(f"--num_gpus/--num_procs must be a positive integer, got {procs_per_node}")
+        check_procs_per_node(procs_per_node)
         return {host: list(range(procs_per_node)) for host in hosts}
     return {host: list(resources[host]) for host in hosts}

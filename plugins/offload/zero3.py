@@ -630,7 +630,7 @@ class OffloadedPartitions:
         out = []
         for swap_dir in (self.dir, getattr(self.partitioner, "dir", None)):
             if swap_dir is not None and not swap_dir.closed and os.path.isdir(swap_dir.path):
-                out += sorted(os.path.join(swap_dir.path, f) for f in os.listdir(swap_dir.path))
+                out += [os.path.join(swap_dir.path, f) for f in swap_dir.swap_file_names()]
         return out
 
     def close(self) -> None:

@@ -14,4 +14,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main(_parser().parse_args()))
+    try:
+        sys.exit(main(_parser().parse_args()))
+    except KeyboardInterrupt:  # before the job's own handling started
+        sys.exit(130)

@@ -11,6 +11,10 @@ import sys
 from typing import Optional, Sequence
 
 
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_TIMEOUT_S = 600
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -23,6 +27,8 @@ def launch_workers(nproc: int, worker_args: Sequence[str], master_port: Optional
 
     Each worker gets ``OMP_NUM_THREADS`` (``threads``, else 1 as torchrun would set it, unless
     the environment already has it), which also keeps torchrun from warning that it set it.
+    On Ctrl-C the launcher passes one SIGINT to torchrun, which passes it to every worker and
+    waits up to ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (600 unless set) while they save.
     """
     from dsplug.plugins.launcher import LaunchError, LaunchRequest, execute, plan_launch
 
@@ -44,4 +50,7 @@ def launch_workers(nproc: int, worker_args: Sequence[str], master_port: Optional
         environ["OMP_NUM_THREADS"] = str(threads)
     else:
         environ.setdefault("OMP_NUM_THREADS", "1")
-    return execute(plan, environ=environ)
+    # on Ctrl-C torchrun waits this long for the workers to save their checkpoint before it kills
+    # them (its default, 30 s, is short for a large model; a second Ctrl-C stops them at once)
+    environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
+    return execute(plan, environ=environ, name="dsplug train")

@@ -9,6 +9,10 @@ Step numbers are optimizer steps (``engine.global_steps``); ``--steps S`` trains
 A checkpoint records the model's shape, the vocabulary and S in ``client_state``, so
 ``--resume`` rebuilds the same model, continues the step counter and the LR schedule, and
 replays the data order from the step it stopped at (:func:`dsplug.plugins.train.data.batches_from`).
+
+Ctrl-C (:mod:`.interrupt`) stops the run after the current step, on every rank at the same step,
+saves a checkpoint there and prints the ``dsplug train ... --resume`` line that continues it; the
+exit status is then 130. A second Ctrl-C quits at once, without that checkpoint.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .options import DEFAULT_STEPS, MODEL_OPTIONS, RUNS_DIR, worker_argv
+from .interrupt import EXIT_INTERRUPTED, Interrupt
+from .options import DEFAULT_STEPS, MODEL_OPTIONS, RUNS_DIR, resume_command, worker_argv
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CLIENT_KEY = "dsplug_train"
@@ -51,6 +56,8 @@ def main(args) -> int:
     try:
         settings = resolve_settings(args, launched_worker=worker and world_size > 1)
         raw, where, notes = checked_config(args.config, settings, args.seed, world_size)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     except TrainError as exc:
         if rank == 0:
             print(f"dsplug train: error: {exc}", file=sys.stderr)
@@ -70,6 +77,11 @@ def main(args) -> int:
         if rank == 0:
             print(f"dsplug train: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training started)
+        if rank == 0:
+            print("\ndsplug train: stopped by Ctrl-C; no checkpoint was saved for the step in progress",
+                  file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 # ------------------------------------------------------------------------------ settings
@@ -183,6 +195,17 @@ def checked_config(path: Optional[str], settings: Settings, seed: Optional[int],
 # ------------------------------------------------------------------------------ training
 def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: List[str], args,
           started: float) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    say = _printer(rank)
+    interrupt = Interrupt(announce=rank == 0).install()
+    try:
+        return _train(settings, raw_config, where, notes, args, started, rank, say, interrupt)
+    finally:
+        interrupt.uninstall()
+
+
+def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: List[str], args, started: float,
+           rank: int, say, interrupt: Interrupt) -> int:
     import torch
 
     import dsplug
@@ -192,8 +215,6 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
     from .model import CharTransformer, ModelConfig, generate_greedy, next_token_loss
     from .progress import ProgressBar
 
-    rank = int(os.environ.get("RANK", "0"))
-    say = _printer(rank)
     _set_threads(args.threads)
     for note in notes:
         say(f"note: {note}")
@@ -252,8 +273,9 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
         if rank == 0 and first_step <= settings.steps else None
     loop_start = time.perf_counter()
     try:
+        stopped = interrupt.agreed(engine)  # a Ctrl-C while the engine was being built
         engine.train()
-        while engine.global_steps < settings.steps:
+        while not stopped and engine.global_steps < settings.steps:
             step_loss = 0.0
             for _ in range(gas):
                 x, y = next(batches)
@@ -270,6 +292,7 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
                     bar.clear_line()
                 engine.save_checkpoint(checkpoint_dir, client_state=client_state)
                 last_saved = engine.global_steps
+            stopped = interrupt.agreed(engine)  # every rank stops after the same step
     except BaseException:
         _close_quietly(engine)  # keep what the monitors logged so far
         raise
@@ -277,8 +300,20 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
         if bar is not None:
             bar.close()
     loop_seconds = time.perf_counter() - loop_start
+    if stopped and rank == 0 and last_saved != engine.global_steps:
+        print(f"dsplug train: interrupted: saving a checkpoint at step {engine.global_steps}", file=sys.stderr,
+              flush=True)
     if last_saved != engine.global_steps:
         engine.save_checkpoint(checkpoint_dir, client_state=client_state)
+    # a Ctrl-C during the last step or the final save: stop here too (no held-out loss, no sample)
+    stopped = stopped or interrupt.agreed(engine)
+    interrupt.uninstall()  # from here on Ctrl-C quits at once: the checkpoint is written
+    if stopped:
+        engine.destroy()
+        if rank == 0:
+            _report_interrupted(settings, engine, args, checkpoint_dir, len(losses), loop_seconds)
+        comm.destroy_process_group()
+        return EXIT_INTERRUPTED
     monitor_dirs = [(o.section, o.log_dir) for o in engine.observers if getattr(o, "log_dir", None)]
     full_weights = engine.zero_optimization_stage() < 3  # stage 3 keeps only a slice on each rank
     engine.destroy()  # closes (flushes) the monitors' files
@@ -322,6 +357,21 @@ def _report(say, settings, engine, losses, held, sample, checkpoint_dir, monitor
         say(f"sample (greedy, {len(text) - len(prompt)} characters after {prompt!r}):")
         say(text)
     say(f"continue this run with: dsplug train --resume --output-dir {settings.output_dir} --steps N")
+
+
+def _report_interrupted(settings, engine, args, checkpoint_dir, trained, loop_seconds) -> None:
+    from dsplug import checkpoint as ckpt
+
+    step = engine.global_steps
+    tag = ckpt.read_latest(checkpoint_dir)
+    command = resume_command(args, settings.output_dir, settings.steps, engine.world_size)
+    plural = "s" if trained != 1 else ""
+    lines = [f"dsplug train: interrupted at step {step} of {settings.steps} ({trained} step{plural} trained in "
+             f"{loop_seconds:.1f} s); checkpoint: {os.path.join(checkpoint_dir, tag or '?')}"]
+    lines += ["resume this run with:", f"  {command}"]
+    if step >= settings.steps:
+        lines.append(f"(it had reached its last step, {settings.steps}: give a larger --steps to train further)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _close_quietly(engine) -> None:

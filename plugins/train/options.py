@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 from typing import List
+
 from dsplug.cli.argtypes import positive_int, non_negative_int
 
 DEFAULT_STEPS = 400
@@ -30,6 +33,9 @@ what it does:
     ds_config.json   the config the engine ran with
   In a config you give, an empty or relative monitor output_path is taken inside --output-dir,
   and scheduler.params.total_num_steps / warmup_num_steps may be "auto" (filled from --steps).
+  Ctrl-C finishes the current step, saves a checkpoint there (every process at the same step)
+  and prints the `dsplug train ... --resume` command that continues the run (exit status 130);
+  a second Ctrl-C quits at once, without that checkpoint.
 
 examples:
   dsplug train                                  default run (~{DEFAULT_STEPS} steps, about a minute on 2 CPU cores)
@@ -93,4 +99,35 @@ def worker_argv(args: argparse.Namespace, output_dir: str, steps: int) -> List[s
         argv += ["--text", args.text]
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
+    if args.master_port is not None:  # unused by a worker; kept so it can print the resume command
+        argv += ["--master-port", str(args.master_port)]
     return argv
+
+
+def resume_command(args: argparse.Namespace, output_dir: str, steps: int, nproc: int) -> str:
+    """The ``dsplug train ... --resume`` line (shell-quoted) that continues this run with the same
+    options: the run's own output directory and step target, paths made absolute (so the line
+    works from any directory), ``--nproc`` as run."""
+    words = ["dsplug", "train"]
+    if args.config is not None:
+        words.append(os.path.abspath(args.config))
+    if nproc > 1:
+        words += ["--nproc", str(nproc)]
+    words += ["--output-dir", output_dir, "--steps", str(steps)]
+    if args.save_interval != DEFAULT_SAVE_INTERVAL:
+        words += ["--save-interval", str(args.save_interval)]
+    if args.seed is not None:
+        words += ["--seed", str(args.seed)]
+    for flag, dest, _default, _text in MODEL_OPTIONS:
+        if getattr(args, dest) is not None:
+            words += [flag, str(getattr(args, dest))]
+    if args.threads is not None:
+        words += ["--threads", str(args.threads)]
+    if args.text is not None:
+        words += ["--text", os.path.abspath(args.text)]
+    if args.sample_chars != DEFAULT_SAMPLE_CHARS:
+        words += ["--sample-chars", str(args.sample_chars)]
+    if args.master_port is not None and nproc > 1:
+        words += ["--master-port", str(args.master_port)]
+    words.append("--resume")
+    return shlex.join(words)
