@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from typing import Any, Dict
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from dsplug.config import ConfigError, DsplugConfig, DsplugDeprecationWarning, fill_auto, infer_batch, parse, to_dict
 from dsplug.config.batch import BatchError
 from dsplug.config.kernel_schema import KernelConfig
-from dsplug.config.schema import Report
+from dsplug.config.schema import Report, field, schema
 from dsplug.plugins.zero.config import ZeroConfig
 
 
@@ -251,3 +252,199 @@ def test_accepted_but_inert_keys_warn_instead_of_being_silently_ignored():
     notes = [str(w.message) for w in caught if issubclass(w.category, DsplugConfigWarning)]
     assert notes == ["sparse_gradients: true has no effect in dsplug (embedding gradients are reduced densely); "
                      "the setting is ignored"]  # elastic_checkpoint at its default says nothing
+
+
+# ---------------------------------------------------------------------------- no NaN-producing config
+NAN, INF = float("nan"), float("inf")
+
+
+def adam(**params):
+    return {"optimizer": {"type": "Adam", "params": params}}
+
+
+def warmup(**params):
+    return {"scheduler": {"type": "WarmupLR", "params": params}}
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (adam(lr=INF), "optimizer.params.lr: Infinity is not valid: must be a finite number, not NaN or ±Infinity"),
+    (adam(lr=1e308), "optimizer.params.lr: 1e+308 is not valid: must be <= 1000000.0"),
+    (adam(lr=10 ** 400), "optimizer.params.lr: 1000000000"),  # ... out of range: too large for a floating-point number
+    (adam(betas=[0.9, NAN]), "optimizer.params.betas[1]: NaN is not valid: must be a finite number"),
+    ({"optimizer": {"type": "RMSprop", "params": {"lr": 1e308}}},  # a schema derived from torch: the kernel rule
+     "optimizer.params.lr: 1e+308 is not valid: must be <= 1000000.0 (a learning rate)"),
+    (warmup(warmup_max_lr=NAN), "scheduler.params.warmup_max_lr: NaN is not valid: must be a finite number"),
+    (warmup(warmup_min_lr=INF), "scheduler.params.warmup_min_lr: Infinity is not valid: must be a finite number"),
+    (warmup(warmup_max_lr=[1e-3, -INF]), "scheduler.params.warmup_max_lr[1]: -Infinity is not valid"),
+    (warmup(warmup_max_lr=[1e-3, 1e9]),
+     "scheduler.params.warmup_max_lr: [0.001, 1000000000.0] is not valid: must be <= 1000000.0 (got 1000000000.0 at index 1)"),
+    ({"fp16": {"enabled": True, "min_loss_scale": INF}}, "fp16.min_loss_scale: Infinity is not valid: must be a finite number"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 1e300}}, "fp16.min_loss_scale: 1e+300 is not valid: must be <= 2**127"),
+    ({"fp16": {"enabled": True, "loss_scale": 1e-300}},
+     "fp16.loss_scale: 1e-300 is not valid: must be 0 (dynamic loss scaling) or a static scale between 2**-126 and 2**127"),
+    ({"fp16": {"enabled": True, "hysteresis": 1e308}},
+     "fp16.hysteresis: 1e+308 is not valid: out of range: must be a 64-bit integer (-2**63 .. 2**63 - 1)"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 128}}, "fp16.initial_scale_power: 128 is not valid: must be <= 127"),
+    ({"amp": {"enabled": True, "max_loss_scale": INF}}, "amp.max_loss_scale: Infinity is not valid"),
+    ({"gradient_clipping": NAN}, "gradient_clipping: NaN is not valid: must be a finite number"),
+    ({"steps_per_print": 1e308}, "steps_per_print: 1e+308 is not valid: out of range: must be a 64-bit integer"),
+    ({"steps_per_print": -INF}, "steps_per_print: -Infinity is not valid: must be a finite number"),
+    ({"steps_per_print": NAN}, "steps_per_print: NaN is not valid: must be a finite number"),
+    ({"gradient_predivide_factor": 1e308}, "gradient_predivide_factor: 1e+308 is not valid: must be <= 1000000.0"),
+    ({"train_micro_batch_size_per_gpu": 2 ** 62}, "train_micro_batch_size_per_gpu: 4611686018427387904 is not valid: "
+                                                  "must be <= 2**24"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "cos_min_ratio": 1e308}}},
+     "scheduler.params.cos_min_ratio: 1e+308 is not valid: must be <= 1.0"),
+    ({"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_step_rate": 1e308}}},
+     "scheduler.params.lr_range_test_step_rate: 1e+308 is not valid: must be <= 1000000.0"),
+])
+@pytest.mark.parametrize("as_text", [False, True], ids=["dict", "json-text"])
+def test_nan_producing_numbers_are_errors_naming_key_and_value(extra, expected, as_text):
+    config = {"train_batch_size": 2, **extra}
+    errors = errors_of(json.dumps(config) if as_text else config)  # json writes NaN / Infinity
+    assert any(e.startswith(expected) for e in errors), errors
+
+
+def test_non_finite_numbers_are_refused_in_free_form_values_and_extra_keys_too():
+    @schema(extra_keys=True)
+    class Free:
+        anything: Any = field(None)
+        table: Dict[str, Any] = field(factory=dict)
+
+    report = Report()
+    parse(Free, {"anything": {"a": [1, NAN]}, "table": {"x": 2 ** 70}, "other": {"b": -INF}}, "free", report)
+    assert sorted(map(str, report.errors)) == [
+        "free.anything.a[1]: NaN is not valid: must be a finite number, not NaN or ±Infinity (a JSON number beyond "
+        "±1.8e308 reads as Infinity)",
+        "free.other.b: -Infinity is not valid: must be a finite number, not NaN or ±Infinity (a JSON number beyond "
+        "±1.8e308 reads as Infinity)",
+        "free.table.x: 1180591620717411303424 is not valid: out of range: must be a 64-bit integer (-2**63 .. 2**63 - 1)",
+    ]
+
+
+def test_fields_opt_out_of_finiteness_or_give_infinity_a_meaning():
+    @schema
+    class Opts:
+        limit: float = field(1.0, finite=False, doc="inf = no limit")
+        every: int = field(1, ge=1, infinity=-7, doc="Infinity = never")
+        count: int = field(1)
+
+    got = parse(Opts, {"limit": INF, "every": INF, "count": 8.0})
+    assert (got.limit, got.every, got.count) == (INF, -7, 8)  # an integral float is still an integer
+    report = Report()
+    parse(Opts, {"every": -INF, "count": 2 ** 63}, "", report)
+    assert [str(e) for e in report.errors] == [
+        "every: -Infinity is not valid: must be a finite number, not NaN or ±Infinity (a JSON number beyond ±1.8e308 "
+        "reads as Infinity)",
+        "count: 9223372036854775808 is not valid: out of range: must be a 64-bit integer (-2**63 .. 2**63 - 1)"]
+
+
+def test_steps_per_print_infinity_as_accelerate_writes_it_means_never(capsys):
+    import torch
+
+    import dsplug
+    from dsplug.config.kernel_schema import NEVER
+
+    for source in ({"train_batch_size": 2, "steps_per_print": INF}, '{"train_batch_size": 2, "steps_per_print": Infinity}'):
+        config = DsplugConfig(source, world_size=1)
+        assert config.steps_per_print == NEVER == 2 ** 63 - 1 and isinstance(config.steps_per_print, int)
+        assert all(step % config.steps_per_print for step in (1, 10, 10 ** 12))
+        assert DsplugConfig(config.to_dict(), world_size=1).steps_per_print == NEVER  # round trip
+    engine, _, _, _ = dsplug.initialize(model=torch.nn.Linear(4, 2),
+                                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                        config='{"train_batch_size": 2, "steps_per_print": Infinity}')
+    capsys.readouterr()
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+    assert engine.steps_per_print() == NEVER
+    assert "[dsplug] step=" not in capsys.readouterr().out
+
+
+def test_duplicate_keys_name_the_key_and_both_lines(tmp_path):
+    text = ('{\n  "train_batch_size": 2,\n  "fp16": {\n    "enabled": true,\n    "loss_scale": 0,\n'
+            '    "enabled": false\n  },\n  "train_batch_size": 4\n}\n')
+    errors = errors_of(text)
+    assert errors == [
+        "fp16.enabled: key given twice in JSON text (line 4 and line 6); JSON would silently keep only the last value: "
+        "keep one",
+        "train_batch_size: key given twice in JSON text (line 2 and line 8); JSON would silently keep only the last "
+        "value: keep one"]
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 2,\n "optimizer": {"type": "Adam", "params": {"lr": 1e-3,\n "lr": 1e-2}}}')
+    assert errors_of(str(path)) == [f"optimizer.params.lr: key given twice in {path} (line 2 and line 3); JSON would "
+                                    "silently keep only the last value: keep one"]
+    # the same key in different objects, and "a key" inside a string, are not duplicates
+    DsplugConfig('{"train_batch_size": 2, "fp16": {"enabled": false}, "bf16": {"enabled": false},'
+                 ' "csv_monitor": {"job_name": "\\"enabled\\": x, {\\"a\\": 1, \\"a\\": 2}"}}', world_size=1)
+    hjson_path = tmp_path / "ds.hjson"
+    hjson_path.write_text("{\n  train_batch_size: 2\n  fp16: {\n    enabled: true\n    enabled: false\n  }\n}\n")
+    assert errors_of(str(hjson_path)) == [f"enabled: key given twice in {hjson_path} (line 4 and line 5); JSON would "
+                                          "silently keep only the last value: keep one"]
+
+
+def test_a_file_that_is_not_utf8_is_a_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_bytes(b'{\n  "train_batch_size": 2,\n  "csv_monitor": {"job_name": "caf\xe9"}\n}')
+    with pytest.raises(ConfigError) as err:
+        DsplugConfig(str(path), world_size=1)
+    assert str(err.value) == (f"invalid dsplug config: {path} is not UTF-8 text: byte 0xe9 at line 3 column 35 cannot "
+                              "be decoded (invalid continuation byte); save the file as UTF-8")
+    path.write_bytes('{"train_batch_size": 2}'.encode("utf-16"))
+    assert "starts with a UTF-16 byte-order mark" in errors_of(str(path))[0]
+    path.write_bytes(b'\xef\xbb\xbf{"train_batch_size": 2}')  # a UTF-8 byte-order mark is fine
+    assert DsplugConfig(str(path), world_size=1).train_batch_size == 2
+    assert DsplugConfig(b'{"train_batch_size": 2}', world_size=1).train_batch_size == 2
+    assert errors_of(b'{"train_batch_size": "\xff"}')[0].startswith("config bytes is not UTF-8 text: byte 0xff")
+
+
+def deep(levels: int, kind: str = "dict"):
+    value = 1
+    for _ in range(levels):
+        value = {"a": value} if kind == "dict" else [value]
+    return value
+
+
+def test_deep_nesting_is_a_one_line_error_never_a_recursion_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"x": 1}}})
+                    .replace('{"x": 1}', '{"x": ' + '{"a": ' * 500 + "1" + "}" * 500 + "}"))
+    cyclic = {"train_batch_size": 2}
+    cyclic["self"] = cyclic
+    for source, where in [(str(path), str(path)), ("[" * 5000 + "]" * 5000, "JSON text"),
+                          ('{"a": ' * 5000 + "1" + "}" * 5000, "JSON text"),
+                          ({"train_batch_size": 2, "x": deep(5000, "list")}, "dict"), (cyclic, "dict")]:
+        with pytest.raises(ConfigError) as err:
+            DsplugConfig(source, world_size=1)
+        message = str(err.value)
+        assert f"{where} is nested more than 100 levels deep" in message and "\n" not in message, message
+    assert "(under optimizer.params.x.a.a.a" in errors_of(str(path))[0]
+    hjson_path = tmp_path / "deep.hjson"
+    hjson_path.write_text("{\n  a: " + "[" * 3000 + "]" * 3000 + "\n}")
+    assert "deep.hjson is nested more than 100 levels deep" in errors_of(str(hjson_path))[0]
+    # up to the limit it is parsed like anything else (here: an unknown key)
+    errors = errors_of({"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"x": deep(95)}}})
+    assert errors[0].startswith("optimizer.params.x: unknown key")
+
+
+def test_the_loader_turns_every_bad_input_into_a_config_error(tmp_path):
+    assert errors_of({"train_batch_size": 2, 3: "x"}) == ["dict: key 3 (int) is not a string; JSON object keys are strings"]
+    assert errors_of({"train_batch_size": 2, "fp16": {("a",): 1}}) == [
+        "fp16: dict: key ('a',) (tuple) is not a string; JSON object keys are strings"]
+    assert errors_of("[1, 2]") == ["JSON text: the config must be a JSON object, got list"]
+    assert errors_of("  ") == ["the config is empty: give a path, a dict or JSON text ('{...}')"]
+    assert errors_of('{"train_batch_size": ' + "1" * 5000 + "}")[0].startswith("JSON text is not valid JSON: Exceeds the limit")
+    assert errors_of('{"train_batch_size": ' + "1" * 400 + "}")[0].startswith("train_batch_size: 1111")
+    assert errors_of(str(tmp_path)) == [f"cannot read config file {tmp_path}: Is a directory"]
+    with pytest.raises(TypeError, match="config must be a path, a dict or JSON text, got int"):
+        DsplugConfig(5)
+
+
+@pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
+def test_nvme_offload_without_nvme_path_is_an_error_naming_the_key(key):
+    errors = errors_of({"train_batch_size": 2, "zero_optimization": {"stage": 3, key: {"device": "nvme"}}})
+    assert errors == [f"zero_optimization.{key}.nvme_path: device 'nvme' needs nvme_path: the directory for the swap "
+                      "files"]
+    DsplugConfig({"train_batch_size": 2, "zero_optimization": {"stage": 3, key: {"device": "nvme",
+                                                                                 "nvme_path": "/local_nvme"}}},
+                 world_size=1)

@@ -3,9 +3,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .schema import field, schema
+from .schema import INT_MAX, field, schema
 
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+#: ``steps_per_print: Infinity`` (what accelerate writes) is stored as this: a step count no run
+#: reaches, so ``global_steps % steps_per_print`` is never 0 and nothing is printed.
+NEVER = INT_MAX
+#: bounds of the batch-size keys (see KernelConfig)
+MAX_BATCH = 2 ** 40
+MAX_MICRO = 2 ** 24
 
 
 @schema
@@ -23,6 +30,8 @@ class CheckpointConfig:
     use_node_local_storage: bool = field(False, doc="each node saves to its own local storage", inert='checkpoints are written to one shared directory')
     parallel_write: ParallelWriteConfig = field(factory=ParallelWriteConfig)
     weights_only: bool = field(True, doc="dsplug: torch.load(weights_only=True) when loading")
+    keep_last: Optional[int] = field(None, ge=1, le=1_000_000, doc="dsplug: keep only the newest N complete "
+                                     "checkpoints in the save directory (older tags are deleted after a save completes)")
 
 
 @schema
@@ -38,21 +47,33 @@ class SelectorConfig:
     """``optimizer`` / ``scheduler``: a ``type`` naming a plugin and its ``params``."""
 
     type: str = field(doc="name of the plugin to use")
-    params: Dict[str, Any] = field(factory=dict, doc="arguments of the selected plugin")
+    params: Dict[str, Any] = field(factory=dict, finite=False,  # checked by the plugin's own schema
+                                   doc="arguments of the selected plugin")
 
 
 @schema
 class KernelConfig:
-    train_batch_size: Optional[int] = field(None, ge=1, auto=True, doc="samples per optimizer step, all ranks")
-    train_micro_batch_size_per_gpu: Optional[int] = field(None, ge=1, auto=True, doc="samples per rank per forward")
-    gradient_accumulation_steps: Optional[int] = field(None, ge=1, auto=True, doc="micro-steps per optimizer step")
+    # Upper bounds: far beyond any real run, and small enough that micro batch × accumulation × world
+    # size (how the missing member is inferred) stays a 64-bit integer for any world size below 2**15.
+    train_batch_size: Optional[int] = field(None, ge=1, le=MAX_BATCH, auto=True,
+                                            doc="samples per optimizer step, all ranks (<= 2**40)")
+    train_micro_batch_size_per_gpu: Optional[int] = field(None, ge=1, le=MAX_MICRO, auto=True,
+                                                          doc="samples per rank per forward (<= 2**24)")
+    gradient_accumulation_steps: Optional[int] = field(None, ge=1, le=MAX_MICRO, auto=True,
+                                                       doc="micro-steps per optimizer step (<= 2**24)")
     gradient_clipping: float = field(0.0, ge=0, auto=True, doc="clip the global gradient norm to this (0 = off)")
-    steps_per_print: int = field(10, ge=1, doc="log progress every this many optimizer steps")
+    steps_per_print: int = field(10, ge=1, infinity=NEVER,
+                                 doc="log progress every this many optimizer steps (Infinity: never, "
+                                     "as Hugging Face accelerate writes it; stored as 2**63 - 1)")
     wall_clock_breakdown: bool = field(False, doc="time forward / backward / step")
     dump_state: bool = field(False, doc="print the engine's state after initialisation")
     memory_breakdown: bool = field(False, doc="log accelerator memory with the progress lines")
     prescale_gradients: bool = field(False, doc="divide gradients before the all-reduce instead of after")
-    gradient_predivide_factor: float = field(1.0, gt=0, doc="divide gradients by this before the all-reduce")
+    gradient_predivide_factor: float = field(
+        1.0, ge=1e-6, le=1e6,
+        doc="divide gradients by this before the all-reduce (and multiply by it / world size after); "
+            "1e-6..1e6: beyond, the division or the multiplication back under- / overflows fp32 and fp16 "
+            "gradients into 0 * inf = NaN (DeepSpeed users set 1 or the world size)")
     communication_data_type: Optional[str] = field(
         None, choices=DTYPE_NAMES, case_insensitive=True, doc="dtype of gradient all-reduce (default: training dtype)"
     )
@@ -63,6 +84,12 @@ class KernelConfig:
     zero_force_ds_cpu_optimizer: bool = field(True, doc="require the native CPU optimizer with ZeRO-Offload")
     dataloader_drop_last: bool = field(False, doc="drop the last incomplete batch of training_data")
     seed: Optional[int] = field(None, doc="dsplug: seed torch's generators at initialize")
+    comm_timeout_s: Optional[float] = field(
+        None, gt=0, le=1_000_000,
+        doc="dsplug: seconds a collective may wait for the other ranks; a dead or stopped rank then makes every "
+            "survivor fail with an error naming it (default: the DSPLUG_COMM_TIMEOUT environment variable, "
+            "else 1800). Must exceed the longest time one rank works while others wait (e.g. rank 0 writing "
+            "a checkpoint file)")
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
     data_types: DataTypesConfig = field(factory=DataTypesConfig)
     optimizer: Optional[SelectorConfig] = field(None, doc="optimizer.type selects an optimizer plugin")

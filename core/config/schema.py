@@ -21,9 +21,22 @@ and :func:`parse` turns a JSON dict into an instance, collecting *every* problem
   engine resolves it (:mod:`dsplug.config.auto`).
 
 JSON numbers: an ``int`` field takes ``5e8`` (an integral float) as 500000000, like DeepSpeed.
+Every number must be usable (a config that trains to NaN is an error, not a run):
+
+* a float is finite: ``NaN``, ``Infinity``, ``-Infinity`` (and JSON numbers beyond ±1.8e308,
+  which read as Infinity) are errors naming the key, in every field of every schema, inside
+  lists and free-form (``Any``) values too. A field opts out with ``finite=False`` (it then
+  checks the value itself, or a later schema does), or accepts ``Infinity`` meaning something
+  explicit with ``infinity=<stored value>`` (``steps_per_print``: never print);
+* an integer fits in 64 bits (``-2**63 .. 2**63 - 1``): ``1e308`` is not an integer here;
+* ``ge`` / ``gt`` / ``le`` / ``lt`` bounds apply to each number of a list value as well.
+
+Bounds shared by plugins (use them in ``le=`` / ``ge=``): :data:`MAX_LR` for learning rates and
+:data:`MIN_LOSS_SCALE` .. :data:`MAX_LOSS_SCALE` for loss scales.
 """
 from __future__ import annotations
 
+import math
 import typing
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -33,6 +46,24 @@ from ..registry import suggest
 
 AUTO = "auto"
 _NOTHING = object()
+
+#: Largest learning rate accepted (``le=MAX_LR`` on lr fields; a kernel rule applies it to every
+#: ``lr`` / ``*_lr`` key of ``optimizer.params`` and ``scheduler.params`` whatever plugin owns
+#: them). Real schedules stay below ~10 (LARS-style SGD at huge batch sizes); 1e6 leaves room
+#: for any experiment while ``lr * grad`` stays far from fp32's 3.4e38 overflow.
+MAX_LR = 1e6
+#: Loss scales must be representable in fp32 and so must their inverse (the unscale factor):
+#: 2**127 is the largest power of two below fp32's max (2**128 reads as inf), 2**-126 the
+#: smallest normal fp32 number. Outside this range the scaled loss or the unscaled gradients
+#: become inf / 0 and then NaN.
+MAX_LOSS_SCALE = 2.0 ** 127
+MIN_LOSS_SCALE = 2.0 ** -126
+#: Integer fields hold 64-bit integers (what torch tensors, C++ ops and checkpoints can store).
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
+
+_NOT_FINITE = "must be a finite number, not NaN or ±Infinity (a JSON number beyond ±1.8e308 reads as Infinity)"
+_INT_RANGE = "out of range: must be a 64-bit integer (-2**63 .. 2**63 - 1)"
+_FLOAT_RANGE = "out of range: too large for a floating-point number (beyond ±1.8e308)"
 
 
 def is_auto(value) -> bool:
@@ -105,8 +136,16 @@ def field(
     check: Optional[Callable[[Any], Optional[str]]] = None,
     case_insensitive: bool = False,
     inert: Optional[str] = None,
+    finite: bool = True,
+    infinity=_NOTHING,
 ):
     """An attrs field carrying the metadata :func:`parse` enforces.
+
+    ``finite=False`` lets non-finite floats and out-of-range integers through (the field checks
+    its value itself, e.g. a free-form dict a later schema parses); by default every number in
+    the value must be finite (see the module docstring). ``infinity=x`` accepts JSON
+    ``Infinity`` (Python ``float("inf")``) and stores ``x`` instead: for keys where infinity
+    has a meaning, like ``steps_per_print`` (never).
 
     ``check(value)`` may return an error message (or raise ValueError) for rules the other
     options cannot express. ``inert="why"`` marks a DeepSpeed key that dsplug accepts but that has
@@ -116,6 +155,7 @@ def field(
     meta = dict(
         doc=doc, ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices is not None else None,
         auto=auto, aliases=tuple(aliases), check=check, case_insensitive=case_insensitive, inert=inert,
+        finite=finite, infinity=infinity,
     )
     if factory is not None:
         return attrs.field(factory=factory, metadata={"dsplug": meta})
@@ -186,33 +226,76 @@ def _type_name(tp) -> str:
 
 
 def _show(value) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")  # JSON's spelling
     text = repr(value) if not isinstance(value, bool) else ("true" if value else "false")
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _Bad(Exception):
-    pass
+    """The value is not of the expected type (a union tries its next member)."""
 
 
-def _coerce(tp, value, path: str, report: Report):
-    """Check ``value`` against annotation ``tp``; return the stored form or raise _Bad."""
+class _Invalid(Exception):
+    """The value has the expected type but cannot be used (not finite, out of 64 bits): reported
+    at ``path`` (the offending element's) and never silently replaced by another union member."""
+
+    def __init__(self, path: str, value, why: str):
+        super().__init__(why)
+        self.path, self.value, self.why = path, value, why
+
+    def report(self, report: "Report") -> None:
+        report.error(self.path, f"{_show(self.value)} is not valid: {self.why}")
+
+
+def _check_numbers(value, path: str = "") -> None:
+    """Raise :class:`_Invalid` for the first non-finite float or non-64-bit integer anywhere in
+    ``value`` (dicts, lists, tuples walked without recursion, in document order)."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise _Invalid(p, v, _NOT_FINITE)
+        elif isinstance(v, int):
+            if not INT_MIN <= v <= INT_MAX:
+                raise _Invalid(p, v, _INT_RANGE)
+        elif isinstance(v, dict):
+            stack.extend(reversed([(c, f"{p}.{k}" if p else str(k)) for k, c in v.items()]))
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed([(c, f"{p}[{i}]") for i, c in enumerate(v)]))
+
+
+def _coerce(tp, value, path: str, report: Report, finite: bool = True):
+    """Check ``value`` against annotation ``tp``; return the stored form or raise _Bad / _Invalid.
+
+    With ``finite`` (the default) every number must be usable: floats finite, integers 64-bit."""
     origin = typing.get_origin(tp)
     if tp is Any or tp is object:
+        if finite:
+            _check_numbers(value, path)
         return value
     if origin is Union:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        invalid = None
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 probe = Report()
-                result = _coerce(arg, value, path, probe)
+                result = _coerce(arg, value, path, probe, finite)
                 if not probe.errors:
                     return result
             except _Bad:
                 continue
+            except _Invalid as exc:  # right type, unusable value: say so unless another member fits
+                invalid = invalid or exc
+        if invalid is not None:
+            raise invalid
         raise _Bad
     if tp is type(None):
         if value is None:
@@ -233,13 +316,15 @@ def _coerce(tp, value, path: str, report: Report):
         if origin in (tuple, Tuple) and args and Ellipsis not in args:
             if len(value) != len(args):
                 raise _Bad
-            return tuple(_coerce(a, v, f"{path}[{i}]", report) for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(_coerce(a, v, f"{path}[{i}]", report, finite) for i, (a, v) in enumerate(zip(args, value)))
         inner = args[0] if args else Any
-        items = [_coerce(inner, v, f"{path}[{i}]", report) for i, v in enumerate(value)]
+        items = [_coerce(inner, v, f"{path}[{i}]", report, finite) for i, v in enumerate(value)]
         return tuple(items) if origin in (tuple, Tuple) else items
     if origin in (dict, Dict) or tp is dict:
         if not isinstance(value, dict):
             raise _Bad
+        if finite:
+            _check_numbers(value, path)
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
@@ -248,15 +333,31 @@ def _coerce(tp, value, path: str, report: Report):
     if tp is int:
         if isinstance(value, bool):
             raise _Bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _Bad
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                if not finite:
+                    raise _Bad
+                raise _Invalid(path, value, _NOT_FINITE)
+            if not value.is_integer():
+                raise _Bad
+            stored = int(value)
+        elif isinstance(value, int):
+            stored = int(value)
+        else:
+            raise _Bad
+        if finite and not INT_MIN <= stored <= INT_MAX:
+            raise _Invalid(path, value, _INT_RANGE)
+        return stored
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Bad
-        return float(value)
+        try:
+            stored = float(value)
+        except OverflowError:  # an int beyond 1.8e308
+            raise _Invalid(path, value, _FLOAT_RANGE) from None
+        if finite and not math.isfinite(stored):
+            raise _Invalid(path, value, _NOT_FINITE)
+        return stored
     if tp is str:
         if isinstance(value, str):
             return value
@@ -265,7 +366,20 @@ def _coerce(tp, value, path: str, report: Report):
         if isinstance(value, tp):
             return value
         raise _Bad
+    if finite:
+        _check_numbers(value, path)
     return value
+
+
+def _bound(limit) -> str:
+    """A bound as the message shows it: a large power of two as ``2**127``, else as written."""
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 2 ** 20 and limit & (limit - 1) == 0:
+        return f"2**{limit.bit_length() - 1}"
+    if isinstance(limit, float) and limit > 0 and math.isfinite(limit):
+        exponent = math.log2(limit)
+        if exponent.is_integer() and abs(exponent) >= 20:
+            return f"2**{int(exponent)}"
+    return str(limit)
 
 
 def _check_value(a: attrs.Attribute, value, path: str, report: Report, given=_NOTHING) -> bool:
@@ -279,15 +393,27 @@ def _check_value(a: attrs.Attribute, value, path: str, report: Report, given=_NO
         valid = False
         report.error(path, f"{shown} is not valid: {why}")
 
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if m.get("ge") is not None and value < m["ge"]:
-            bad(f"must be >= {m['ge']}")
-        elif m.get("gt") is not None and value <= m["gt"]:
-            bad(f"must be > {m['gt']}")
-        elif m.get("le") is not None and value > m["le"]:
-            bad(f"must be <= {m['le']}")
-        elif m.get("lt") is not None and value >= m["lt"]:
-            bad(f"must be < {m['lt']}")
+    def is_number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if is_number(value):
+        numbers = [(value, "")]
+    elif isinstance(value, (list, tuple)):  # bounds hold for each number of a list (one per group)
+        numbers = [(v, f" (got {_show(v)} at index {i})") for i, v in enumerate(value) if is_number(v)]
+    else:
+        numbers = []
+    for number, where in numbers:
+        if m.get("ge") is not None and number < m["ge"]:
+            bad(f"must be >= {_bound(m['ge'])}{where}")
+        elif m.get("gt") is not None and number <= m["gt"]:
+            bad(f"must be > {_bound(m['gt'])}{where}")
+        elif m.get("le") is not None and number > m["le"]:
+            bad(f"must be <= {_bound(m['le'])}{where}")
+        elif m.get("lt") is not None and number >= m["lt"]:
+            bad(f"must be < {_bound(m['lt'])}{where}")
+        else:
+            continue
+        break
     check = m.get("check")
     if valid and check is not None:
         try:
@@ -341,6 +467,11 @@ def parse(cls, data, path: str = "", report: Optional[Report] = None):
         a = keys.get(key)
         if a is None:
             if getattr(cls, "__dsplug_extra_keys__", False):
+                try:
+                    _check_numbers(value, sub)
+                except _Invalid as exc:
+                    exc.report(report)
+                    continue
                 extra[key] = value
                 continue
             guess = suggest(str(key), [k for k in keys])
@@ -360,10 +491,18 @@ def parse(cls, data, path: str = "", report: Optional[Report] = None):
             else:
                 report.error(sub, '"auto" is not accepted here; give a concrete value')
             continue
+        meta = _meta(a)
+        if (meta.get("infinity", _NOTHING) is not _NOTHING and isinstance(value, float)
+                and not isinstance(value, bool) and value == math.inf):
+            values[a.name] = meta["infinity"]  # JSON Infinity, meaningful for this key
+            continue
         try:
-            stored = _coerce(a.type, value, sub, report)
+            stored = _coerce(a.type, value, sub, report, meta.get("finite", True))
         except _Bad:
             report.error(sub, f"{_show(value)} is not valid: expected {_type_name(a.type)}")
+            continue
+        except _Invalid as exc:
+            exc.report(report)
             continue
         stored, ok = _canonical_choice(a, stored, sub, report)
         if ok and _check_value(a, stored, sub, report, given=value):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LR, field, schema
 
 from .common import call_torch_optimizer, options_of, untested_with_zero
 
@@ -13,7 +13,7 @@ from .common import call_torch_optimizer, options_of, untested_with_zero
 class AdagradParams:
     """``optimizer.params`` for ``"type": "Adagrad"`` (torch.optim.Adagrad's arguments and defaults)."""
 
-    lr: float = field(1e-2, ge=0, auto=True, doc="learning rate")
+    lr: float = field(1e-2, ge=0, le=MAX_LR, auto=True, doc="learning rate (<= 1e6, dsplug.config.schema.MAX_LR)")
     lr_decay: float = field(0.0, ge=0, doc="learning rate decay: lr / (1 + (t - 1) * lr_decay)")
     weight_decay: float = field(0.0, ge=0, auto=True, doc="L2 penalty added to the gradient")
     initial_accumulator_value: float = field(0.0, ge=0, doc="starting value of the squared-gradient sum")

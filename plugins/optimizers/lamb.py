@@ -5,7 +5,7 @@ from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
 from dsplug.descriptors import ApiModule
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LR, field, schema
 
 from .common import betas_check, cross_checks, given, options_of
 
@@ -28,7 +28,7 @@ def _coeff_bounds_ordered(data):
 class LambParams:
     """``optimizer.params`` for ``"type": "Lamb"`` (every FusedLamb constructor argument)."""
 
-    lr: float = field(1e-3, ge=0, auto=True, doc="learning rate")
+    lr: float = field(1e-3, ge=0, le=MAX_LR, auto=True, doc="learning rate (<= 1e6, dsplug.config.schema.MAX_LR)")
     bias_correction: bool = field(True, doc="divide the moments by (1 - beta^t)")
     betas: Tuple[float, float] = field((0.9, 0.999), auto=True, check=betas_check,
                                        doc="decay rates of the first and second moment averages")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LR, field, schema
 
 from .common import call_torch_optimizer, cross_checks, given, options_of, untested_with_zero
 
@@ -25,7 +25,7 @@ def _nesterov_needs_momentum(data):
 class SGDParams:
     """``optimizer.params`` for ``"type": "SGD"`` (torch.optim.SGD's arguments and defaults)."""
 
-    lr: float = field(1e-3, ge=0, auto=True, doc="learning rate")
+    lr: float = field(1e-3, ge=0, le=MAX_LR, auto=True, doc="learning rate (<= 1e6, dsplug.config.schema.MAX_LR)")
     momentum: float = field(0.0, ge=0, doc="momentum factor")
     dampening: float = field(0.0, doc="dampening for momentum")
     weight_decay: float = field(0.0, ge=0, auto=True, doc="L2 penalty added to the gradient")

@@ -6,19 +6,30 @@ import math
 from typing import Optional, Union
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, field, schema
+
+
+def _static_loss_scale(value):
+    """0 (dynamic scaling) or a static scale fp32 can hold, inverse included."""
+    if value != 0 and not MIN_LOSS_SCALE <= value <= MAX_LOSS_SCALE:
+        return "must be 0 (dynamic loss scaling) or a static scale between 2**-126 and 2**127 (fp32's range)"
+    return None
 
 
 @schema
 class Fp16Config:
     enabled: bool = field(False, auto=True, doc="train with fp16 parameters and fp32 master weights")
     auto_cast: bool = field(False, doc="cast the inputs of forward to fp16", inert='forward inputs are not cast; pass fp16 inputs')
-    loss_scale: float = field(0.0, ge=0, doc="0 = dynamic loss scaling; otherwise a static scale")
-    initial_scale_power: int = field(16, ge=0, le=128, doc="dynamic scaling starts at 2**this")
+    loss_scale: float = field(0.0, ge=0, check=_static_loss_scale,
+                              doc="0 = dynamic loss scaling; otherwise a static scale (2**-126 .. 2**127)")
+    initial_scale_power: int = field(16, ge=0, le=127, doc="dynamic scaling starts at 2**this (<= 127: 2**128 "
+                                     "is inf in fp32)")
     loss_scale_window: int = field(1000, ge=1, doc="overflow-free steps before the scale doubles")
     hysteresis: int = field(2, ge=1, doc="overflows tolerated before the scale halves")
     consecutive_hysteresis: bool = field(False, doc="refill hysteresis on every overflow-free step")
-    min_loss_scale: float = field(1.0, gt=0, doc="the dynamic scale never goes below this")
+    min_loss_scale: float = field(1.0, ge=MIN_LOSS_SCALE, le=MAX_LOSS_SCALE,
+                                  doc="the dynamic scale never goes below this (2**-126 .. 2**127: fp32's range, "
+                                      "so that scaling and unscaling stay finite)")
     fp16_master_weights_and_grads: bool = field(False, doc="keep master weights in fp16 (ZeRO-Offload only)", inert='master weights and gradients are kept in fp32')
 
 
@@ -34,6 +45,8 @@ def amp_loss_scale_value(value):
         return "must be 'dynamic' or a positive number"
     if not isinstance(value, str) and value <= 0:
         return "must be 'dynamic' or a positive number"
+    if not isinstance(value, str) and not MIN_LOSS_SCALE <= value <= MAX_LOSS_SCALE:
+        return "must be 'dynamic' or a static scale between 2**-126 and 2**127 (fp32's range)"
     return None
 
 
@@ -45,9 +58,11 @@ class AmpConfig:
     dtype: Optional[str] = field(None, choices=("fp16", "bf16"), doc="dsplug: autocast dtype (default: fp16 on "
                                  "accelerators with fp16 autocast, bf16 on CPU)")
     loss_scale: Union[str, float] = field("dynamic", check=amp_loss_scale_value,
-                                          doc="'dynamic' or a static number, for fp16 autocast")
-    min_loss_scale: Optional[float] = field(None, gt=0)
-    max_loss_scale: float = field(2.0 ** 24, gt=0)
+                                          doc="'dynamic' or a static number (<= 2**127), for fp16 autocast")
+    min_loss_scale: Optional[float] = field(None, ge=MIN_LOSS_SCALE, le=MAX_LOSS_SCALE,
+                                            doc="lowest dynamic scale (2**-126 .. 2**127)")
+    max_loss_scale: float = field(2.0 ** 24, ge=MIN_LOSS_SCALE, le=MAX_LOSS_SCALE,
+                                  doc="highest dynamic scale (2**-126 .. 2**127)")
     keep_batchnorm_fp32: Optional[bool] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
     master_weights: Optional[bool] = field(None, inert='an Apex option; dsplug amp is torch.autocast')
     cast_model_type: Optional[str] = field(None, inert='an Apex option; dsplug amp is torch.autocast')

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import List, Union
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LR, field, schema
 
 from ._common import LRSchedule, build, non_negative, non_negative_number, per_group, whole_steps
 
@@ -56,9 +56,10 @@ class LRRangeTest(LRSchedule):
 class LRRangeTestParams:
     """``scheduler.params`` of LRRangeTest."""
 
-    lr_range_test_min_lr: Value = field(1e-3, check=non_negative, doc="initial lr (one number, or one per param group)")
+    lr_range_test_min_lr: Value = field(1e-3, le=MAX_LR, check=non_negative, doc="initial lr (one number, or one per param group; <= 1e6)")
     lr_range_test_step_size: int = field(2000, ge=1, doc="batches per increase of the lr")
-    lr_range_test_step_rate: float = field(1.0, ge=0, doc="lr grows by this times lr_range_test_min_lr per step size")
+    lr_range_test_step_rate: float = field(1.0, ge=0, le=MAX_LR, doc="lr grows by this times lr_range_test_min_lr per step size "
+                                            "(<= 1e6: a larger rate overflows the lr within a few steps)")
     lr_range_test_staircase: bool = field(False, doc="true: change the lr every step size; false: every batch")
     last_batch_iteration: int = field(-1, ge=-1, doc="index of the last batch already trained (-1: start from the beginning)")
 

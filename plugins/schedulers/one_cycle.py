@@ -40,7 +40,7 @@ import warnings
 from typing import List, Optional, Union
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LR, field, schema
 
 from ._common import (
     LRSchedule,
@@ -185,8 +185,8 @@ class OneCycle(LRSchedule):
 class OneCycleParams:
     """``scheduler.params`` of OneCycle."""
 
-    cycle_min_lr: Value = field(check=non_negative, doc="lr at the start and end of the cycle (one number, or one per param group)")
-    cycle_max_lr: Value = field(check=non_negative, doc="lr at the peak of the cycle (one number, or one per param group)")
+    cycle_min_lr: Value = field(le=MAX_LR, check=non_negative, doc="lr at the start and end of the cycle (one number, or one per param group; <= 1e6)")
+    cycle_max_lr: Value = field(le=MAX_LR, check=non_negative, doc="lr at the peak of the cycle (one number, or one per param group; <= 1e6)")
     decay_lr_rate: float = field(0.0, ge=0, doc="after the cycle: lr = cycle_min_lr / (1 + decay_lr_rate * intervals)")
     cycle_first_step_size: int = field(2000, ge=1, doc="batches of the rising half of the cycle")
     cycle_second_step_size: Optional[int] = field(None, ge=1, doc="batches of the falling half (default: cycle_first_step_size)")

@@ -23,7 +23,7 @@ import math
 from typing import List, Union
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug.config.schema import MAX_LR, field, schema
 
 from ._common import (
     WARMUP_LINEAR_RATE,
@@ -108,8 +108,8 @@ class WarmupDecayLR(WarmupLR):
 
 
 # ------------------------------------------------------------------------------- schemas
-_MIN_LR_DOC = "lr at the start of the warmup: one number, or one per param group"
-_MAX_LR_DOC = "lr at the end of the warmup: one number, or one per param group"
+_MIN_LR_DOC = "lr at the start of the warmup: one number, or one per param group (each <= 1e6, MAX_LR)"
+_MAX_LR_DOC = "lr at the end of the warmup: one number, or one per param group (each <= 1e6, MAX_LR)"
 _STEPS_DOC = "optimizer steps to warm up over (values below 2 count as 2)"
 _TYPE_DOC = "shape of the warmup: 'log' (fast start) or 'linear'"
 _ITER_DOC = "index of the last batch already trained (-1: start from the beginning)"
@@ -119,8 +119,8 @@ _ITER_DOC = "index of the last batch already trained (-1: start from the beginni
 class WarmupLRParams:
     """``scheduler.params`` of WarmupLR."""
 
-    warmup_min_lr: LrValue = field(0.0, auto=True, check=non_negative, doc=_MIN_LR_DOC)
-    warmup_max_lr: LrValue = field(0.001, auto=True, check=non_negative, doc=_MAX_LR_DOC)
+    warmup_min_lr: LrValue = field(0.0, auto=True, le=MAX_LR, check=non_negative, doc=_MIN_LR_DOC)
+    warmup_max_lr: LrValue = field(0.001, auto=True, le=MAX_LR, check=non_negative, doc=_MAX_LR_DOC)
     warmup_num_steps: int = field(1000, ge=0, auto=True, doc=_STEPS_DOC)
     warmup_type: str = field(WARMUP_LOG_RATE, choices=WARMUP_TYPES, case_insensitive=True, doc=_TYPE_DOC)
     last_batch_iteration: int = field(-1, ge=-1, doc=_ITER_DOC)
@@ -132,8 +132,8 @@ class WarmupDecayLRParams:
     """``scheduler.params`` of WarmupDecayLR."""
 
     total_num_steps: int = field(ge=1, auto=True, doc="optimizer steps of the whole run; the lr reaches warmup_min_lr here")
-    warmup_min_lr: LrValue = field(0.0, auto=True, check=non_negative, doc=_MIN_LR_DOC)
-    warmup_max_lr: LrValue = field(0.001, auto=True, check=non_negative, doc=_MAX_LR_DOC)
+    warmup_min_lr: LrValue = field(0.0, auto=True, le=MAX_LR, check=non_negative, doc=_MIN_LR_DOC)
+    warmup_max_lr: LrValue = field(0.001, auto=True, le=MAX_LR, check=non_negative, doc=_MAX_LR_DOC)
     warmup_num_steps: int = field(1000, ge=0, auto=True, doc=_STEPS_DOC)
     warmup_type: str = field(WARMUP_LOG_RATE, choices=WARMUP_TYPES, case_insensitive=True, doc=_TYPE_DOC)
     last_batch_iteration: int = field(-1, ge=-1, doc=_ITER_DOC)

@@ -103,9 +103,11 @@ class WarmupCosineLRParams:
     """``scheduler.params`` of WarmupCosineLR."""
 
     total_num_steps: int = field(ge=1, auto=True, doc="optimizer steps of the whole run; the ratio reaches cos_min_ratio here")
-    warmup_min_ratio: float = field(0.0, ge=0, doc="lr ratio (of the optimizer's lr) at the start of the warmup")
+    warmup_min_ratio: float = field(0.0, ge=0, le=1.0, doc="lr ratio (of the optimizer's lr) at the start of the warmup "
+                                    "(0..1: the warmup rises from it to the optimizer's lr)")
     warmup_num_steps: int = field(1000, ge=0, auto=True, doc="optimizer steps to warm up over (values below 2 count as 2)")
-    cos_min_ratio: float = field(0.0001, ge=0, doc="lr ratio at the end of the cosine decay")
+    cos_min_ratio: float = field(0.0001, ge=0, le=1.0, doc="lr ratio at the end of the cosine decay (0..1: the decay "
+                                 "falls from the optimizer's lr to it)")
     warmup_type: str = field(WARMUP_LOG_RATE, choices=WARMUP_TYPES, case_insensitive=True,
                              doc="shape of the warmup: 'log' (fast start) or 'linear'")
     last_batch_iteration: int = field(-1, ge=-1, doc="index of the last batch already trained (-1: start from the beginning)")

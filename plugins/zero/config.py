@@ -19,7 +19,8 @@ BIG = 10**9
 @schema
 class OffloadParamConfig:
     device: str = field("none", doc="where parameter partitions live: none, cpu or nvme")
-    nvme_path: Optional[str] = field("/local_nvme", doc="directory of the swap files for device=nvme")
+    nvme_path: Optional[str] = field(None, doc="directory of the swap files; required with device=nvme "
+                                     "(DeepSpeed's default is null too: no guessed directory)")
     pin_memory: bool = field(False, doc="page-locked host buffers (with an accelerator)")
     buffer_count: int = field(5, ge=1, doc="number of buffers for swapping parameters in")
     buffer_size: int = field(10**8, ge=1, doc="elements per swap buffer")
@@ -29,7 +30,8 @@ class OffloadParamConfig:
 @schema
 class OffloadOptimizerConfig:
     device: str = field("none", doc="where optimizer states live: none, cpu or nvme")
-    nvme_path: Optional[str] = field("/local_nvme", doc="directory of the swap files for device=nvme")
+    nvme_path: Optional[str] = field(None, doc="directory of the swap files; required with device=nvme "
+                                     "(DeepSpeed's default is null too: no guessed directory)")
     pin_memory: bool = field(False, doc="page-locked host buffers (with an accelerator)")
     buffer_count: int = field(4, ge=1, doc="buffers in the pool for swapping optimizer states")
     fast_init: bool = field(False, doc="initialise the nvme swap files lazily")
