@@ -21,11 +21,13 @@ _LAZY = {
     "Engine": ("dsplug.engine", "Engine"),
     "DsplugConfig": ("dsplug.config", "DsplugConfig"),
     "ConfigError": ("dsplug.config", "ConfigError"),
+    "DeepSpeedConfigError": ("dsplug.config", "ConfigError"),
+    "DeepSpeedConfig": ("dsplug.runtime.config", "DeepSpeedConfig"),
     "get_registry": ("dsplug.registry", "get_registry"),
     "get_accelerator": ("dsplug.accelerator", "get_accelerator"),
 }
 _SUBMODULES = {"comm", "zero", "ops", "profiling", "checkpoint", "config", "accelerator", "op_builder", "utils",
-               "contracts", "testing", "runtime"}
+               "contracts", "testing", "runtime", "launcher"}
 
 __all__ = ["PluginSpec", "CATEGORIES", "hookimpl", "hookspec", "__version__", *_LAZY]
 
@@ -38,4 +40,9 @@ def __getattr__(name):
         return value
     if name in _SUBMODULES:
         return importlib.import_module(f"dsplug.{name}")
+    from .unavailable import attribute_error  # DeepSpeed names dsplug lacks: a clear ImportError
+
+    error = attribute_error(name)
+    if error is not None:
+        raise error
     raise AttributeError(f"module 'dsplug' has no attribute {name!r}")

@@ -22,6 +22,7 @@ from .accelerator import get_accelerator
 from .config import DsplugConfig
 from .config.auto import model_hidden_size
 from .context import BuildContext
+from .contracts.zero_stage import attach_stage, detach_stage, stage_of
 from .engine_api import DeepSpeedAccessors
 from .engine_checkpoint import EngineCounters, SchedulerState, load_checkpoint, save_checkpoint
 from .logging import log_rank0
@@ -41,15 +42,17 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         super().__init__()
         if model is None:
             raise ValueError("dsplug.initialize: model is required (a torch.nn.Module)")
-        comm.init_distributed(dist_init_required=dist_init_required, verbose=False)
         self.registry = registry or get_registry()
+        # the config first (at the world size the group will have): its comm_timeout_s is the
+        # timeout the group is created with (or re-applied to a group made before the engine)
+        self.config = config if isinstance(config, DsplugConfig) else DsplugConfig(
+            config, world_size=comm.planned_world_size(dist_init_required), registry=self.registry,
+            auto_values=auto_values, hidden_size=model_hidden_size(model), strict_auto=True)
+        kernel = self.config.kernel
+        comm.init_distributed(dist_init_required=dist_init_required, verbose=False, timeout=kernel.comm_timeout_s)
         self.world_size = comm.get_world_size()
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
-        self.config = config if isinstance(config, DsplugConfig) else DsplugConfig(
-            config, world_size=self.world_size, registry=self.registry, auto_values=auto_values,
-            hidden_size=model_hidden_size(model), strict_auto=True)
-        kernel = self.config.kernel
         if kernel.seed is not None:
             torch.manual_seed(kernel.seed)
         self.accelerator = get_accelerator(self.registry)
@@ -71,6 +74,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             if training_data is not None else None
         self.counters = EngineCounters()
         self._step_applied = False
+        self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary()
+        self._publish_step_result(applied=True)
         self._losses: List[torch.Tensor] = []
         self.timers = StepTimers(self.accelerator, enabled=kernel.wall_clock_breakdown)
         for part in (self.counters, SchedulerState(self), self.precision, self.stage, *self.compression):
@@ -94,14 +99,14 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                     comm.broadcast(tensor.data, src=0)
 
     def _build_stage(self, model, param_groups, client_optimizer):
-        previous = getattr(model, "_dsplug_stage", None)
+        previous = stage_of(model)
         if previous is not None:  # initialize() again on the same model: retire the old engine's hooks
             log_rank0("warning: this model was already wrapped by a dsplug engine; that engine's hooks are "
                       "removed and it must not be used any more", logging.WARNING)
             previous.close()
         stage = self._build_selected("zero_stage", model, param_groups, self._optimizer_builder(client_optimizer),
                                      self.precision)
-        object.__setattr__(model, "_dsplug_stage", stage)
+        attach_stage(model, stage)
         return stage
 
     def _optimizer_builder(self, client_optimizer):
@@ -202,6 +207,10 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """The flag of :meth:`set_gradient_accumulation_boundary` once set, else whether this
+        micro-step is the last of ``gradient_accumulation_steps``."""
+        if self._boundary_flag is not None:
+            return self._boundary_flag
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def step(self, lr_kwargs=None):
@@ -219,6 +228,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                 log_rank0(self.precision.skipped_step_message(self.global_steps + 1), logging.INFO)
             self.counters.global_steps += 1
             self.counters.global_samples += self.train_batch_size()
+            self._publish_step_result(self._step_applied)
             self.timers.stop("step")
             self._end_of_step()
         self.counters.micro_steps += 1
@@ -295,8 +305,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         """Close monitors' files and remove hooks; the engine is unusable afterwards."""
         self.events.hook.dsplug_engine_closed(engine=self)
         self.stage.close()
-        if getattr(self.module, "_dsplug_stage", None) is self.stage:
-            del self.module._dsplug_stage
+        detach_stage(self.module, self.stage)
 
 
 def _param_groups(model, model_parameters, client_optimizer) -> List[dict]:

@@ -1,9 +1,10 @@
 """DeepSpeed's ``DeepSpeedEngine`` accessors, on top of the engine's parts.
 
-A mixin of :class:`dsplug.engine.Engine`: read-only questions DeepSpeed scripts and Hugging Face
-ask of the engine. They answer from the config and the contract objects; the precision's and
-stage's DeepSpeed names (``fp16_enabled`` ...) are DeepSpeed's API, kept here and out of the
-conductor.
+A mixin of :class:`dsplug.engine.Engine`: the questions DeepSpeed scripts and Hugging Face ask
+of the engine, and DeepSpeed's small engine methods around training (``set_gradient_accumulation_boundary``,
+``compile``, ``_zero3_consolidated_16bit_state_dict`` ...). They answer from the config and the
+contract objects; the precision's and stage's DeepSpeed names (``fp16_enabled`` ...) are
+DeepSpeed's API, kept here and out of the conductor.
 """
 from __future__ import annotations
 
@@ -37,6 +38,24 @@ class DeepSpeedAccessors:
     def was_step_applied(self) -> bool:
         return self._step_applied
 
+    def _publish_step_result(self, applied: bool) -> None:
+        """``engine.optimizer.overflow``: True when the last step was skipped (DeepSpeed's ZeRO and
+        fp16 optimizers have it; Hugging Face Accelerate reads it as ``step_was_skipped``)."""
+        if self.optimizer is not None:
+            try:
+                self.optimizer.overflow = not applied
+            except AttributeError:  # an optimizer object that takes no new attributes
+                pass
+
+    # ------------------------------------------------------------------ gradient accumulation
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the coming micro-step ends an accumulation window, overriding the count of
+        ``gradient_accumulation_steps`` from now on (DeepSpeed's semantics). At a boundary the
+        backward pass reduces gradients over ranks and ``step()`` updates the weights; elsewhere
+        gradients accumulate locally and ``step()`` only counts the micro-step. Hugging Face
+        Accelerate calls this before every ``backward`` and calls ``step()`` only at boundaries."""
+        self._boundary_flag = bool(is_boundary)
+
     # ------------------------------------------------------------------ precision
     def get_loss_scale(self) -> float:
         return self.precision.loss_scale
@@ -60,6 +79,23 @@ class DeepSpeedAccessors:
 
     def zero_optimization(self) -> bool:
         return self.stage.stage > 0
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's accessor)."""
+        zero = self.config.get("zero_optimization") or {}
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[Dict[str, Any]]:
+        """The full module state dict in the training dtype, on the CPU, gathered from the
+        partitions where the stage partitions them: a collective, so every rank must call it. Rank
+        0 gets the dict, the other ranks None (as in DeepSpeed, whatever the flag of
+        :meth:`zero_gather_16bit_weights_on_model_save`, which callers check themselves)."""
+        state = self.stage.module_state_dict()  # every rank: a collective when partitioned
+        if self.global_rank != 0:
+            return None
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} \
+            if exclude_frozen_parameters else set()
+        return {k: v.detach().cpu() for k, v in state.items() if k not in frozen}
 
     def model_state_memory(self) -> Dict[str, int]:
         """Bytes this rank's engine holds now: ``parameters``, ``gradients``, ``optimizer_states``
@@ -87,6 +123,37 @@ class DeepSpeedAccessors:
               f"scheduler={type(self.lr_scheduler).__name__ if self.lr_scheduler else None} "
               f"observers={[type(o).__name__ for o in self.observers]} "
               f"compression={[m.name for m in self.compression]}")
+
+    # ------------------------------------------------------------------ torch.compile
+    def compile(self, backend=None, compile_kwargs: Optional[Dict[str, Any]] = None, schedule=None) -> None:
+        """Compile the wrapped module with ``torch.compile(backend=..., **compile_kwargs)``
+        (DeepSpeed's signature; the default backend is the accelerator's
+        ``get_compile_backend()``). Compilation happens at the next forward. ``schedule`` (DeepSpeed's
+        compiler passes) is not available."""
+        import torch
+
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepSpeed's compile-pass schedules are not "
+                                      "available in dsplug; call engine.compile(backend=..., compile_kwargs=...)")
+        if not hasattr(torch, "compile"):
+            raise RuntimeError(f"engine.compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
+        if self.is_compiled:
+            return
+        backend = backend if backend is not None else self.accelerator.get_compile_backend()
+        if isinstance(backend, str):
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if backend not in known:
+                raise ValueError(f"engine.compile: unknown torch.compile backend {backend!r} (available: "
+                                 f"{', '.join(sorted(known))})")
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            raise ValueError("engine.compile: give the backend as backend=, not in compile_kwargs")
+        self.module.compile(backend=backend, **kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return bool(getattr(self, "_is_compiled", False))
 
     # ------------------------------------------------------------------ data
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,

@@ -83,7 +83,7 @@ def collect(engine, scope: str, options: SaveOptions) -> Dict[str, Any]:
                                        f" for scope {scope!r}; expected a dict {{key: state}} (or return nothing) "
                                        f"(implementers: {_implementers(engine)})")
         for key, value in contribution.items():
-            if key in merged or key in ENGINE_KEYS:
+            if key in merged or (scope == "model" and key in ENGINE_KEYS):
                 raise ckpt.CheckpointError(f"checkpoint key {key!r} (scope {scope!r}) is contributed twice; each "
                                            f"participant must use its own keys (implementers: {_implementers(engine)})")
             merged[key] = value
@@ -94,6 +94,7 @@ def _implementers(engine) -> str:
     return ", ".join(i.plugin_name for i in engine.events.hook.dsplug_checkpoint_state.get_hookimpls())
 
 
+@comm.operation("save_checkpoint")  # a dead or stopped rank is named in the error
 def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool) -> bool:
     save_dir = os.fspath(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -117,8 +118,12 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     def write_files():
         files = {}
         if rank0:
+            client = dict(client_state or {})
+            # the client's keys also at the top level, where DeepSpeed keeps them (the same
+            # objects: pickled once); a key the checkpoint itself uses stays under client_state only
+            top = {k: v for k, v in client.items() if isinstance(k, str) and k not in shared and k not in ENGINE_KEYS}
             files[ckpt.MODEL_FILE] = ckpt.atomic_save(
-                {**shared, "client_state": dict(client_state or {}), "world_size": engine.world_size,
+                {**top, **shared, "client_state": client, "world_size": engine.world_size,
                  "ds_config": engine.config.to_dict(), "dsplug_version": _version()},
                 os.path.join(staging, ckpt.MODEL_FILE))
         rank = engine.global_rank
@@ -147,6 +152,7 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     return True
 
 
+@comm.operation("load_checkpoint")  # a dead or stopped rank is named in the error
 def load_checkpoint(engine, load_dir, tag=None, **flags):
     load_dir = os.fspath(load_dir)
     if tag is None:
@@ -166,10 +172,21 @@ def load_checkpoint(engine, load_dir, tag=None, **flags):
 
     def read_own_files():
         # every rank reads (and verifies) its files before any part loads, so a bad file on one
-        # rank fails every rank with the same error instead of a hang in the next collective
-        shared = ckpt.load_file(os.path.join(path, ckpt.MODEL_FILE), weights_only)
+        # rank fails every rank with the same error instead of a hang in the next collective.
+        # A tag without a manifest was not written by dsplug (or by an older one): a file it lacks
+        # is read as empty, and the parts that know its format read what they need from the
+        # directory themselves (checkpoint.path), e.g. the ZeRO stages a DeepSpeed checkpoint.
+        foreign = ckpt.read_manifest(path) is None
+
+        def read(file_name: str, reader):
+            if foreign and not os.path.isfile(os.path.join(path, file_name)):
+                return {}
+            return reader()
+
+        shared = read(ckpt.MODEL_FILE, lambda: ckpt.load_file(os.path.join(path, ckpt.MODEL_FILE), weights_only))
         saved_world = int(shared.get("world_size", 1))
-        own = {} if options.load_module_only else read_rank(min(engine.global_rank, saved_world - 1))
+        own_rank = min(engine.global_rank, saved_world - 1)
+        own = {} if options.load_module_only else read(ckpt.optim_file(own_rank), lambda: read_rank(own_rank))
         rng_path = os.path.join(path, ckpt.rng_file(engine.global_rank))
         rng = ckpt.load_file(rng_path, weights_only) if not options.load_module_only and os.path.exists(rng_path) \
             else None

@@ -3,7 +3,7 @@
 Every part that joins the bus (observers, monitors, the ZeRO stage, the precision, compression
 methods, module-level lifecycle plugins) has its hook implementations wrapped so that an
 exception escaping one is re-raised as :class:`PluginHookError` naming the plugin and the hook —
-unless it is one of dsplug's own errors (checkpoint, config, plugin errors), which already say
+unless it is one of dsplug's own errors (checkpoint, communication, config, plugin errors), which already say
 what is wrong and are re-raised unchanged.
 """
 from __future__ import annotations
@@ -43,10 +43,11 @@ def join(bus: pluggy.PluginManager, part, name: str) -> None:
 
 def _passes_through(exc: BaseException) -> bool:
     from .checkpoint import CheckpointError
+    from .comm.faults import CommError
     from .config.schema import ConfigError
     from .registry import PluginError
 
-    return isinstance(exc, (PluginHookError, CheckpointError, ConfigError, PluginError))
+    return isinstance(exc, (PluginHookError, CheckpointError, CommError, ConfigError, PluginError))
 
 
 def _naming_failures(function, plugin: str, hook: str):

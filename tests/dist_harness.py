@@ -60,3 +60,34 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
                 raise RuntimeError(f"rank {r} of {fn.__name__} failed:\n{out['error']}")
             results.append(out["result"])
         return results
+
+
+# ------------------------------------------------------------------------------ separate rank processes
+_LAUNCH = ("import importlib, json, sys; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(1); "
+           "module, function = sys.argv[2].split(':'); "
+           "getattr(importlib.import_module(module), function)(*json.loads(sys.argv[3]))")
+
+
+def launch_ranks(target: str, world_size: int, *args, out_dir, env=None):
+    """Start ``target`` (``"module:function"``, called with the JSON-able ``args``) in
+    ``world_size`` separate processes with the environment ``run_distributed`` gives, and return
+    their ``subprocess.Popen`` objects at once, so that a test can signal, time and reap each rank
+    itself. Rank r's stdout and stderr go to ``out_dir/rank<r>.log``."""
+    import json
+    import subprocess
+
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        child_env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                     "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "PYTHONUNBUFFERED": "1"}
+        with open(os.path.join(out_dir, f"rank{rank}.log"), "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", _LAUNCH, str(REPO), target, json.dumps(list(args))],
+                                          env=child_env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def rank_log(out_dir, rank: int) -> str:
+    with open(os.path.join(out_dir, f"rank{rank}.log"), encoding="utf-8", errors="replace") as f:
+        return f.read()

@@ -555,7 +555,7 @@ def test_param_groups_keep_their_hyperparameters():
 
 
 def test_partition_stepped_in_chunks_equals_reference_and_round_trips(monkeypatch, tmp_path):
-    """The optimizer sees a partition as views of at most OPTIMIZER_CHUNK elements (here 100 of 987)."""
+    """The optimizer sees a partition as views of at most OPTIMIZER_CHUNK elements (here 100 of 988)."""
     from dsplug.plugins.zero import partitioned
 
     monkeypatch.setattr(partitioned, "OPTIMIZER_CHUNK", 100)
@@ -563,12 +563,12 @@ def test_partition_stepped_in_chunks_equals_reference_and_round_trips(monkeypatc
     got = dsplug_run(config, STEPS, optimizer=adamw)
     assert_close_runs(got, _reference("bf16-accum-clip", 1), **TOLERANCE["bf16"])
     engine = dsplug.initialize(model=make_model(), optimizer=adamw, config=config)[0]
-    assert [p.numel() for p in engine.optimizer.param_groups[0]["params"]] == [100] * 9 + [87]
+    assert [p.numel() for p in engine.optimizer.param_groups[0]["params"]] == [100] * 9 + [88]
     for _ in range(2):
         engine.backward(engine(torch.randn(8, 12).bfloat16()).float().pow(2).mean())
         engine.step()
     saved = engine.stage.state_dict()["groups"][0]
-    assert saved["state"]["exp_avg"].shape == (987,) and float(saved["state"]["step"]) == 1.0
+    assert saved["state"]["exp_avg"].shape == (988,) and float(saved["state"]["step"]) == 1.0
     engine.save_checkpoint(tmp_path)
     monkeypatch.setattr(partitioned, "OPTIMIZER_CHUNK", 2 ** 22)  # reload unchunked
     fresh = dsplug.initialize(model=make_model(seed=2), optimizer=adamw, config=config)[0]

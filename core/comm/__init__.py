@@ -3,6 +3,10 @@
 A thin layer over ``torch.distributed`` (gloo on CPU, NCCL on CUDA, chosen by the accelerator
 plugin) so that logging, counting and backend gaps (gloo has no reduce-scatter) live in one place.
 Listeners (e.g. the comms logger plugin) see every collective with its size and latency.
+
+Every collective is bounded by the comm timeout (``comm_timeout_s`` / ``DSPLUG_COMM_TIMEOUT``):
+a dead or stopped rank makes it raise :class:`CommError` naming that rank and the enclosing
+:func:`operation` (see :mod:`dsplug.comm.faults`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import faults
+from .faults import ENV_TIMEOUT, CommError, operation  # noqa: F401  (public: dsplug.comm.CommError, ...)
+
 ReduceOp = dist.ReduceOp
 _listeners: List[object] = []
 
@@ -26,15 +33,23 @@ def is_initialized() -> bool:
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True, timeout: timedelta = timedelta(minutes=30),
+                     distributed_port: int = 29500, verbose: bool = True, timeout: Optional[timedelta] = None,
                      init_method: Optional[str] = None, dist_init_required: Optional[bool] = None, config=None,
                      rank: int = -1, world_size: int = -1) -> None:
     """Initialise the default process group, like ``deepspeed.init_distributed``.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK) as torch's launcher sets
     them. With none of them set, a world of one process is created on 127.0.0.1.
+
+    ``timeout`` (a timedelta or seconds; default ``DSPLUG_COMM_TIMEOUT`` seconds, else 30 minutes)
+    bounds every collective. When the group already exists, a given ``timeout`` (or the variable)
+    is applied to it.
     """
+    wanted = faults.as_timedelta(timeout) or faults.env_timeout()
     if is_initialized():
+        faults.record_peers()
+        if wanted is not None and wanted != faults.timeout():
+            set_timeout(wanted)
         return
     if dist_init_required is False:
         return
@@ -59,11 +74,40 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
             init_method = "env://"
     if verbose and rank == 0:
         print(f"[dsplug] initializing process group: backend={backend} world_size={world_size}", flush=True)
+    timeout = wanted or faults.DEFAULT_TIMEOUT
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout)
+    faults.created(timeout)
+    faults.record_peers()
     accel = get_accelerator()
     if accel.device_count() > 1 or accel.name != "cpu":
         accel.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(1, accel.device_count()))
+
+
+def planned_world_size(dist_init_required: Optional[bool] = None) -> int:
+    """The world size :func:`init_distributed` will create (or the existing group's)."""
+    if is_initialized():
+        return get_world_size()
+    if dist_init_required is False:
+        return 1
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_timeout() -> timedelta:
+    """The bound of every collective on the default group."""
+    return faults.timeout()
+
+
+def set_timeout(timeout) -> None:
+    """Bound every collective of the existing default group by ``timeout`` (timedelta or seconds)."""
+    timeout = faults.as_timedelta(timeout)
+    try:
+        faults.set_timeout(timeout)
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot change it: say so, keep going
+        from ..logging import logger
+
+        logger.warning(f"dsplug.comm: could not set the comm timeout to {faults.seconds(timeout)} s on the "
+                       f"{get_backend()} process group ({type(exc).__name__}: {exc}); it keeps {get_timeout()}")
 
 
 def _free_port() -> int:
@@ -93,6 +137,7 @@ def get_backend(group=None) -> str:
 def destroy_process_group() -> None:
     if is_initialized():
         dist.destroy_process_group()
+    faults.forget()
 
 
 # ------------------------------------------------------------------------------ listeners
@@ -133,14 +178,21 @@ def log_summary(show_straggler: bool = False) -> None:
 class _Work:
     """A finished-or-pending collective whose ``wait()`` also reports to listeners."""
 
-    def __init__(self, work, op: str, nbytes: int, start: float, world: int, caller: Optional[str] = None):
+    def __init__(self, work, op: str, nbytes: int, start: float, world: int, caller: Optional[str] = None,
+                 gloo: bool = False):
         self.work, self.op, self.nbytes, self.start, self.world = work, op, nbytes, start, world
         self.caller = caller
+        self.gloo = gloo
         self.reported = False
 
     def wait(self):
         if self.work is not None:
-            self.work.wait()
+            if not self.work.is_completed():
+                faults.check_usable(self.op)
+            try:
+                faults.bounded_wait(self.work, self.gloo)
+            except RuntimeError as exc:
+                _raise_failure(self.op, self.start, exc)
         if self.reported:
             return True
         self.reported = True
@@ -184,17 +236,39 @@ def _caller() -> Optional[str]:
     return getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
 
 
+def _raise_failure(op: str, start: float, exc: BaseException):
+    """Re-raise ``exc`` from torch.distributed: as a CommError naming the dead rank when it is one."""
+    error = faults.failure(op, start, exc)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+def _guarded(op: str, fn: Callable):
+    """Run ``fn`` (collectives issued straight to torch.distributed) with the failure diagnosis."""
+    faults.check_usable(op)
+    start = time.perf_counter()
+    try:
+        return fn()
+    except RuntimeError as exc:
+        _raise_failure(op, start, exc)
+
+
 def _run(op: str, tensor_bytes: int, fn: Callable, async_op: bool, group):
     world = get_world_size(group)
     if world == 1 and not is_initialized():
         return _Work(None, op, tensor_bytes, time.perf_counter(), 1) if async_op else None
+    faults.check_usable(op)
     caller = _caller() if _listeners else None
     if _listeners:
         _synchronize()
     start = time.perf_counter()
-    work = fn()
+    try:
+        work = fn()
+    except RuntimeError as exc:
+        _raise_failure(op, start, exc)
     if async_op:
-        return _Work(work, op, tensor_bytes, start, world, caller)
+        return _Work(work, op, tensor_bytes, start, world, caller, gloo=get_backend(group) == "gloo")
     if _listeners:
         _report(op, tensor_bytes, start, world, caller=caller)
     return None
@@ -221,9 +295,9 @@ class _AllWorks:
     def __init__(self, works):
         self.works = [w for w in works if w is not None]
 
-    def wait(self):
+    def wait(self, timeout=None):
         for w in self.works:
-            w.wait()
+            faults.bounded_wait(w, gloo=True)  # only gloo issues these
         return True
 
     def is_completed(self):
@@ -319,12 +393,12 @@ def all_gather_object(obj, group=None) -> list:
     payload = _pickled(obj, device)
     size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    _guarded("all_gather", lambda: dist.all_gather(sizes, size, group=group))
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     chunks = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(chunks, padded, group=group)
+    _guarded("all_gather", lambda: dist.all_gather(chunks, padded, group=group))
     return [_unpickled(chunk, int(n)) for chunk, n in zip(chunks, sizes)]
 
 
@@ -335,8 +409,12 @@ def broadcast_object(obj, src: int = 0, group=None):
     device = _object_device(group)
     payload = _pickled(obj, device) if get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.long, device=device)
-    dist.broadcast(size, src=src, group=group)
+    _guarded("broadcast", lambda: dist.broadcast(size, src=src, group=group))
     if payload is None:
         payload = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=src, group=group)
+    _guarded("broadcast", lambda: dist.broadcast(payload, src=src, group=group))
     return _unpickled(payload, int(size))
+
+
+# DeepSpeed's deepspeed.comm names that scripts and Hugging Face / Accelerate call besides the above
+from .deepspeed_compat import *  # noqa: E402,F401,F403

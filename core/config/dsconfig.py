@@ -11,7 +11,8 @@ Building a :class:`DsplugConfig` parses and validates everything at once and rai
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections import abc
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import attrs
 
@@ -51,8 +52,15 @@ class Selected:
         return self.provided.spec.factory(*args)
 
 
-class DsplugConfig:
+class DsplugConfig(abc.Mapping):
     """A validated config.
+
+    Also a read-only mapping over the resolved config (:meth:`to_dict`), as DeepSpeed's
+    ``engine.config`` is a dict: ``config["zero_optimization"]["stage"]``,
+    ``config.get("fp16", {})`` return plain JSON data (keys the user's config gives, with defaults
+    filled in; an absent section is absent). ``dict(config)`` is a copy. Equality and hashing stay
+    those of the object. The parsed parts are attributes: ``kernel``, ``sections``,
+    ``section(name)``, ``optimizer`` ...
 
     ``source``: a path, dict or JSON / HJSON text.
     ``world_size``: the data-parallel size; batch sizes are inferred against it. When None, a
@@ -282,11 +290,28 @@ class DsplugConfig:
         raise PluginNotFoundError(f"no {category} plugin is selected by this config and none is installed as the "
                                   f"default (`dsplug list --category {category}`)", category, "", [])
 
+    # ------------------------------------------------------------------ the resolved dict (Mapping)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def _resolved(self) -> Dict[str, Any]:
+        return to_dict_of(self)
+
+    def __getitem__(self, key: str):
+        return self._resolved()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def __contains__(self, key) -> bool:
+        return key in self._resolved()
+
     def get(self, name: str, default=None):
-        if name in KERNEL_KEYS:
-            return getattr(self.kernel, name)
-        value = self.section(name)
-        return default if value is None else value
+        """``name``'s value in the resolved config (plain data), else ``default``."""
+        return self._resolved().get(name, default)
 
     def to_dict(self) -> Dict[str, Any]:
         return to_dict_of(self)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Dict, Optional
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..hookspecs import hookimpl
 
@@ -82,6 +83,44 @@ class ZeroStage(abc.ABC):
         stage's config does not allow gathering them (the stage logs why)."""
         return self.module_state_dict()
 
+    # -- full values of one parameter (DeepSpeed's ``deepspeed.utils.safe_get_full_*`` answer from
+    #    these; every rank must call them together when the stage partitions what is asked for:
+    #    they may run a collective). ``param`` is one of ``module``'s parameters; one the stage does
+    #    not train (frozen, or left out of the optimizer) answers None.
+    def full_fp32_param(self, param) -> Optional[Any]:
+        """The full fp32 master value of ``param`` (shape of the parameter; a new tensor), gathered
+        from the partitions where the stage partitions it. Without master weights (fp32 training)
+        the parameter's own value."""
+        raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not provide full fp32 values "
+                             "of parameters")
+
+    def set_full_fp32_param(self, param, value) -> None:
+        """Make ``value`` (the full value; the same on every rank) ``param``'s fp32 master and its
+        weight in the training dtype: each rank keeps its part, the next forward sees it."""
+        raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not set full fp32 values "
+                             "of parameters")
+
+    def full_grad(self, param) -> Optional[Any]:
+        """``param``'s full gradient as the stage holds it for the coming step (fp32, shape of the
+        parameter): after the backward pass that ends an accumulation window it is reduced over
+        ranks and accumulated over its micro-steps, still multiplied by the loss scale of fp16
+        training (the step unscales it). None when the stage holds no gradient for ``param``
+        (no backward since the last step). Call it between that backward and ``step``."""
+        raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not provide full gradients")
+
+    def full_optimizer_state(self, param, key: str) -> Optional[Any]:
+        """The optimizer's state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) for ``param``: an
+        element-wise state gathered to the parameter's shape, a scalar as it is; None before the
+        optimizer created it."""
+        raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not provide optimizer states "
+                             "per parameter")
+
+    def set_full_optimizer_state(self, param, key: str, value) -> None:
+        """Overwrite the optimizer's element-wise state ``key`` of ``param`` with the full ``value``
+        (the same on every rank; each rank keeps its part)."""
+        raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not set optimizer states "
+                             "per parameter")
+
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer_states``, ``total``,
         ``buffers``. Stages that cannot account for their memory leave this as is."""
@@ -121,3 +160,48 @@ class ZeroStage(abc.ABC):
         self.load_state_dict(checkpoint.rank["stage"], load_optimizer_states=options.load_optimizer_states,
                              saved_world_size=checkpoint.saved_world_size,
                              read_rank=lambda r: checkpoint.read_rank(r)["stage"])
+
+
+# ------------------------------------------------------------------ which stage trains a parameter
+STAGE_ATTR = "_dsplug_stage"
+
+#: id(parameter) -> (weak reference to it, weak reference to its stage). Weak both ways and off the
+#: parameters themselves, so copying or pickling a parameter never drags the stage along.
+_OWNERS: Dict[int, Tuple[Any, Any]] = {}
+
+
+def attach_stage(module, stage: ZeroStage) -> None:
+    """Record that ``stage`` trains ``module`` and its parameters (the engine calls this), so that
+    :func:`stage_of` finds the stage from a parameter or the module alone."""
+    object.__setattr__(module, STAGE_ATTR, stage)
+    ref = weakref.ref(stage)
+    for p in module.parameters():
+        _OWNERS[id(p)] = (weakref.ref(p), ref)
+
+
+def detach_stage(module, stage: ZeroStage) -> None:
+    """Undo :func:`attach_stage` (only where ``stage`` is still the one recorded)."""
+    if getattr(module, STAGE_ATTR, None) is stage:
+        object.__delattr__(module, STAGE_ATTR)
+    for p in module.parameters():
+        entry = _OWNERS.get(id(p))
+        if entry is not None and entry[1]() is stage:
+            del _OWNERS[id(p)]
+    for key in [k for k, (p, st) in _OWNERS.items() if p() is None or st() is None]:
+        del _OWNERS[key]
+
+
+def stage_of(obj) -> Optional[ZeroStage]:
+    """The ZeRO stage of the engine that trains ``obj`` (a parameter or module), or None."""
+    if isinstance(obj, torch_module_types()):
+        return getattr(obj, STAGE_ATTR, None)
+    entry = _OWNERS.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return None
+    return entry[1]()
+
+
+def torch_module_types():
+    import torch
+
+    return (torch.nn.Module,)

@@ -1,1 +1,28 @@
-"""DeepSpeed's ``deepspeed.runtime`` import paths, kept for scripts that import from them."""
+"""DeepSpeed's ``deepspeed.runtime`` import paths, kept for scripts and integrations that use them.
+
+* :mod:`.config` — ``DeepSpeedConfig`` (a config's derived values under DeepSpeed's attribute
+  names) and DeepSpeed's config-key constants (:mod:`.constants`);
+* :mod:`.lr_schedules` — the schedules and ``VALID_LR_SCHEDULES`` (from the scheduler plugins);
+* :mod:`.zero` — ``zero.config`` (the ZeRO config model) and ``zero.partition_parameters``
+  (``Init``, ``GatheredParameters``, ``ZeroParamStatus`` ...), from the ZeRO plugin;
+* :mod:`.fp16` — ``fp16.loss_scaler`` (``LossScaler``, ``DynamicLossScaler``), from the
+  precision plugin.
+
+Submodules are imported on first attribute access, so ``dsplug.runtime.lr_schedules.VALID_LR_SCHEDULES``
+works right after ``import dsplug`` as ``deepspeed.runtime...`` does after ``import deepspeed``.
+"""
+from __future__ import annotations
+
+import importlib
+
+_SUBMODULES = {"config", "constants", "engine", "lr_schedules", "zero", "fp16"}
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _SUBMODULES)

@@ -1,4 +1,10 @@
-"""The CPU accelerator: gloo collectives, host memory statistics."""
+"""The CPU accelerator: gloo collectives, host memory statistics.
+
+Device count: the launcher's per-node process count (``LOCAL_WORLD_SIZE``, or ``LOCAL_SIZE``) when
+set, else 1, as DeepSpeed's CPU accelerator reports it, so launchers and integrations that size
+their world from ``device_count()`` see one "device" per local process; the current device is
+``LOCAL_RANK``. Every "device" is the host (``device_name()`` is always ``"cpu"``).
+"""
 from __future__ import annotations
 
 import os
@@ -17,10 +23,39 @@ class CpuAccelerator(Accelerator):
         return "cpu"
 
     def device_count(self) -> int:
+        for env in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            value = os.environ.get(env, "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
         return 1
+
+    def current_device(self) -> int:
+        value = os.environ.get("LOCAL_RANK", "0")
+        return int(value) if value.isdigit() else 0
+
+    def current_device_name(self) -> str:
+        return "cpu"
 
     def communication_backend_name(self) -> str:
         return "gloo"
+
+    def amp(self):
+        import torch
+
+        return torch.cpu.amp
+
+    def is_pinned(self, tensor) -> bool:
+        return tensor.is_pinned()
+
+    def available_memory(self, index=None) -> int:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return super().available_memory(index)
 
     def rng_state(self):
         return None  # the CPU generator is saved with torch's own state

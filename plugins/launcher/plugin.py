@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from dsplug.cli.argtypes import positive_int
-from dsplug.descriptors import CliCommand
+from dsplug.descriptors import ApiModule, CliCommand
 from dsplug.hookspecs import hookimpl
 
 HELP = "run a training script on local / remote processes (like the deepspeed launcher)"
@@ -117,3 +117,9 @@ COMMAND = CliCommand(name="launch", help=HELP, description=DESCRIPTION, add_argu
 @hookimpl
 def dsplug_cli_commands():
     return [COMMAND]
+
+
+@hookimpl
+def dsplug_api_modules():
+    """DeepSpeed's ``deepspeed.launcher.runner`` functions (:mod:`.runner`)."""
+    return [ApiModule("dsplug.launcher.runner", "dsplug.plugins.launcher.runner")]

@@ -8,7 +8,8 @@ This module (entry point ``zero``) registers:
 * the model-state memory estimate of ``dsplug config explain --params`` (:mod:`.memory`);
 * the ``"auto"`` values derived from the model's hidden size (Hugging Face's convention);
 * the partitioned checkpoint format's offline tools (:mod:`.zero_to_fp32`): the import paths
-  ``dsplug.utils.zero_to_fp32`` / ``dsplug.zero_to_fp32`` and the ``dsplug zero-to-fp32`` command.
+  ``dsplug.utils.zero_to_fp32`` / ``dsplug.zero_to_fp32`` and the ``dsplug zero-to-fp32`` command;
+* DeepSpeed's config model names at ``dsplug.runtime.zero.config`` (:mod:`.ds_config`).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def dsplug_auto_value(path, hidden_size):
 @hookimpl
 def dsplug_api_modules():
     return [ApiModule("dsplug.utils.zero_to_fp32", "dsplug.plugins.zero.zero_to_fp32"),
-            ApiModule("dsplug.zero_to_fp32", "dsplug.plugins.zero.zero_to_fp32")]
+            ApiModule("dsplug.zero_to_fp32", "dsplug.plugins.zero.zero_to_fp32"),
+            ApiModule("dsplug.runtime.zero.config", "dsplug.plugins.zero.ds_config")]
 
 
 @hookimpl

@@ -33,6 +33,7 @@ import torch
 from dsplug.checkpoint import CheckpointError
 from dsplug.contracts import ZeroStage
 
+from . import deepspeed_format as dsf
 from .gradients import unscale_check_clip
 from .optimizer_check import check_elementwise
 from .partition import FlatGroup, gather_partitions, round_robin_order
@@ -45,7 +46,7 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-class PartitionedStage(ZeroStage):
+class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
     def __init__(self, stage: int, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision,
                  zero_config, kernel_config, context):
         if stage not in (1, 2):
@@ -335,6 +336,23 @@ class PartitionedStage(ZeroStage):
                        for key, per_name in merged.state.items()}
         return fp32, elementwise, dict(merged.scalars), dict(merged.hyper)
 
+    # ------------------------------------------------------------------ DeepSpeed's keys (checkpoint hooks)
+    def _ds_model_keys(self, engine) -> dict:
+        from collections import OrderedDict
+
+        shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(g.names, g.shapes)) for g in self.groups]
+        return dsf.model_keys(self, param_shapes=shapes, world_size=self.world_size)
+
+    def _ds_rank_keys(self, engine, state, options) -> dict:
+        if self.optimizer is None:
+            return {}
+        keys = dsf.zero12_keys(state, self.precision, self.clip, self.optimizer.param_groups,
+                               records=dsf.records_allowed(self))
+        keys.update(ds_config=dsf._config_dict(self), ds_version=dsf.DS_VERSION)
+        if self.precision.model_dtype == torch.bfloat16:  # DeepSpeed reads bf16_zero_pp_rank_* then
+            dsf.write_extra_files(options, self.rank, {}, {dsf.optim_file(self.rank, True): dsf.optim_file(self.rank)})
+        return keys
+
     def module_state_dict(self) -> dict:
         return self.module.state_dict()
 
@@ -351,6 +369,106 @@ class PartitionedStage(ZeroStage):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    # ------------------------------------------------------------------ full values of one parameter
+    # Rank r holds the pieces of a parameter that fall into its partition (``FlatGroup.pieces``): a
+    # full value is this rank's pieces written into zeros and summed over ranks (one all-reduce).
+    def _group_of(self, param) -> Optional[FlatGroup]:
+        for group in self.groups:
+            if param in group.position:
+                return group
+        return None
+
+    def _own_pieces(self, group: FlatGroup, param):
+        """``(offset in the parameter, start in this rank's partition, length)`` of this rank's pieces."""
+        offset, out = 0, []
+        for owner, start, length in group.pieces(param):
+            if owner == self.rank:
+                out.append((offset, start, length))
+            offset += length
+        return out
+
+    def _assemble(self, group: FlatGroup, param, read) -> torch.Tensor:
+        """The full fp32 value whose piece at ``start`` of this rank's partition is ``read(start, length)``."""
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=group.buffer.device)
+        for offset, start, length in self._own_pieces(group, param):
+            full[offset:offset + length].copy_(read(start, length))
+        if self.world_size > 1:
+            self.comm.all_reduce(full)
+        return full.view(param.shape)
+
+    def _scatter(self, group: FlatGroup, param, value: torch.Tensor, write) -> None:
+        flat = value.detach().reshape(-1)
+        for offset, start, length in self._own_pieces(group, param):
+            write(start, flat[offset:offset + length])
+
+    def full_fp32_param(self, param) -> Optional[torch.Tensor]:
+        group = self._group_of(param)
+        if group is None:
+            return None
+        master = self.opt_params[group.index]
+        return self._assemble(group, param, lambda start, n: master[start:start + n])
+
+    def set_full_fp32_param(self, param, value: torch.Tensor) -> None:
+        group = self._group_of(param)
+        if group is None:
+            return
+        master = self.opt_params[group.index]
+        with torch.no_grad():
+            param.data.copy_(value)  # every rank holds the whole (training-dtype) buffer
+            if self.separate_master:
+                self._scatter(group, param, value, lambda start, piece: master[start:start + piece.numel()].copy_(piece))
+
+    def full_grad(self, param) -> Optional[torch.Tensor]:
+        """The reduced gradient partition (after the backward that reduced it), gathered."""
+        group = self._group_of(param)
+        part = None if group is None or not self._accumulating else self.partition_grads[group.index]
+        if part is None:
+            return None
+        return self._assemble(group, param, lambda start, n: part[start:start + n])
+
+    def _state_slices(self, gi: int, key: str, start: int, length: int) -> List[torch.Tensor]:
+        """Views of the element-wise state ``key`` over ``[start, start+length)`` of partition ``gi``
+        (the optimizer keeps it per chunk of OPTIMIZER_CHUNK elements)."""
+        out, chunk_start = [], 0
+        for chunk in self.chunks[gi]:
+            lo, hi = max(start, chunk_start), min(start + length, chunk_start + chunk.numel())
+            if lo < hi:
+                out.append(self.optimizer.state[chunk][key][lo - chunk_start:hi - chunk_start])
+            chunk_start += chunk.numel()
+        return out
+
+    def _state_kind(self, gi: int, key: str):
+        """The state ``key`` of group ``gi``'s first chunk (the same kind on every rank), or None."""
+        if self.optimizer is None:
+            return None
+        return self.optimizer.state.get(self.chunks[gi][0], {}).get(key)
+
+    def full_optimizer_state(self, param, key: str):
+        group = self._group_of(param)
+        sample = None if group is None else self._state_kind(group.index, key)
+        if sample is None:
+            return None
+        if not (torch.is_tensor(sample) and sample.dim() == 1 and sample.numel() == self.chunks[group.index][0].numel()):
+            return sample.clone() if torch.is_tensor(sample) else sample  # a per-group scalar (step count ...)
+        gi = group.index
+        return self._assemble(group, param, lambda start, n: torch.cat(self._state_slices(gi, key, start, n)))
+
+    def set_full_optimizer_state(self, param, key: str, value: torch.Tensor) -> None:
+        group = self._group_of(param)
+        if group is None or self._state_kind(group.index, key) is None:
+            raise KeyError(f"the optimizer has no state {key!r} for this parameter yet (it is created by the first "
+                           "step)")
+        gi = group.index
+
+        def write(start, piece):
+            offset = 0
+            for view in self._state_slices(gi, key, start, piece.numel()):
+                view.copy_(piece[offset:offset + view.numel()])
+                offset += view.numel()
+
+        with torch.no_grad():
+            self._scatter(group, param, value, write)
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> Dict[str, int]:

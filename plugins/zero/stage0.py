@@ -18,6 +18,7 @@ import torch
 
 from dsplug.contracts import ZeroStage
 
+from . import deepspeed_format as dsf
 from .buckets import GradientBuckets
 from .gradients import unscale_check_clip
 
@@ -31,7 +32,11 @@ def refuse_partitioned_params(module, stage: int) -> None:
                          f"zero_optimization.stage is {stage}; use stage 3 (or build the model without zero.Init)")
 
 
-class DataParallelStage(ZeroStage):
+class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
+    """Checkpoints are DeepSpeed's stage-0 layout: the optimizer state (with the fp32 master weights
+    in bf16 / fp16) is saved once, in the shared file under ``"optimizer"`` (as DeepSpeed keeps it);
+    each rank's ``"stage"`` only says so."""
+
     stage = 0
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
@@ -143,6 +148,24 @@ class DataParallelStage(ZeroStage):
             state["master_weights"] = [self.master[p] for p in self.params]
         return state
 
+    # ------------------------------------------------------------------ checkpoint hooks
+    def _ds_rank_state(self) -> dict:
+        return {"zero_stage": 0, "optimizer_in_model_file": True}
+
+    def _ds_rank_keys(self, engine, state, options) -> dict:
+        return {}
+
+    def _ds_model_keys(self, engine) -> dict:
+        steps = int(getattr(engine, "global_steps", 0) or 0)
+        return dsf.model_keys(self, param_shapes=None, world_size=self.world_size,
+                              optimizer=dsf.stage0_optimizer(self, steps))
+
+    def _load_native(self, checkpoint):
+        state = checkpoint.rank.get("stage")
+        if isinstance(state, dict) and state.get("optimizer_in_model_file") and not checkpoint.options.load_module_only:
+            checkpoint.rank["stage"] = dsf.stage0_state(checkpoint.model.get("optimizer"))
+        return super()._load_native(checkpoint)
+
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True, **_unused) -> None:
         """Every rank saved the same replicated state, so this rank's (or any) file will do."""
         if "optimizer" not in state:
@@ -175,6 +198,56 @@ class DataParallelStage(ZeroStage):
             for p in self.params:
                 if p in self.master:
                     self.master[p].copy_(p.detach().float())
+
+    # ------------------------------------------------------------------ full values (every rank holds them)
+    def _target(self, param):
+        """The tensor the optimizer steps for ``param`` (its fp32 master, or itself); None if untrained."""
+        if not hasattr(self, "_trained_ids"):
+            self._trained_ids = {id(p) for p in self.params}
+        if id(param) not in self._trained_ids:
+            return None
+        return self.master[param] if self.master else param
+
+    def full_fp32_param(self, param) -> Optional[torch.Tensor]:
+        target = self._target(param)
+        return None if target is None else target.detach().to(torch.float32, copy=True)
+
+    def set_full_fp32_param(self, param, value: torch.Tensor) -> None:
+        target = self._target(param)
+        if target is None:
+            return
+        with torch.no_grad():
+            target.copy_(value)
+            if target is not param:
+                param.copy_(value)
+
+    def full_grad(self, param) -> Optional[torch.Tensor]:
+        if self._target(param) is None:
+            return None
+        grad = self._grad_of(param)
+        if grad is None and self.master:  # inside step(): the master holds it
+            grad = self.master[param].grad
+        return None if grad is None else grad.detach().to(torch.float32, copy=True)
+
+    def full_optimizer_state(self, param, key: str):
+        target = self._target(param)
+        value = None if target is None else self.optimizer.state.get(target, {}).get(key)
+        if value is None:
+            return None
+        if torch.is_tensor(value) and value.shape == target.shape:
+            return value.detach().to(torch.float32, copy=True)
+        return value.clone() if torch.is_tensor(value) else value
+
+    def set_full_optimizer_state(self, param, key: str, value: torch.Tensor) -> None:
+        target = self._target(param)
+        if target is None:
+            return
+        state = self.optimizer.state[target]
+        with torch.no_grad():
+            if key in state and torch.is_tensor(state[key]):
+                state[key].copy_(value)
+            else:
+                state[key] = value.detach().to(device=target.device, dtype=target.dtype, copy=True)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -45,9 +45,22 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ layout arithmetic
+#: a contiguous group is padded to a multiple of this times the world size (DeepSpeed's
+#: ``nccl_start_alignment_factor``: ZeRO-1/2 partitions are then DeepSpeed's, element for element)
+CONTIGUOUS_ALIGNMENT = 2
+
+
 def contiguous_partition_numel(numel: int, world_size: int) -> int:
-    """Elements per rank when ``numel`` elements are padded to a multiple of ``world_size``."""
-    return max(1, math.ceil(numel / world_size))
+    """Elements per rank when a group of ``numel`` elements is padded to a multiple of
+    ``2 * world_size`` (DeepSpeed's ZeRO-1/2 partitioning)."""
+    a = CONTIGUOUS_ALIGNMENT
+    return max(a, a * math.ceil(numel / (a * world_size)))
+
+
+def valid_contiguous_partition(partition: int, numel: int, world_size: int) -> bool:
+    """A saved contiguous partition size is usable when the ranks' partitions cover the group
+    (checkpoints of earlier dsplug versions padded only to a multiple of the world size)."""
+    return partition >= 1 and partition * world_size >= numel and partition >= math.ceil(numel / world_size)
 
 
 def split_range(start: int, length: int, partition_numel: int) -> List[Piece]:
@@ -61,10 +74,12 @@ def split_range(start: int, length: int, partition_numel: int) -> List[Piece]:
     return pieces
 
 
-def param_pieces(layout: str, numels: Sequence[int], world_size: int) -> List[List[Piece]]:
-    """For each parameter of a group, in order, the pieces that concatenated rebuild it."""
+def param_pieces(layout: str, numels: Sequence[int], world_size: int,
+                 partition: Optional[int] = None) -> List[List[Piece]]:
+    """For each parameter of a group, in order, the pieces that concatenated rebuild it
+    (``partition``: a contiguous group's saved partition size; default: this version's)."""
     if layout == "contiguous":
-        partition = contiguous_partition_numel(sum(numels), world_size)
+        partition = partition or contiguous_partition_numel(sum(numels), world_size)
         out, offset = [], 0
         for n in numels:
             out.append(split_range(offset, n, partition))
@@ -148,7 +163,10 @@ def validate_rank_states(states: Sequence[dict], where: str = "checkpoint") -> N
                 raise CheckpointError(f"{where}: group {gi} of rank {rank}: numel={group['numel']} but its shapes "
                                       f"hold {sum(numels)} elements")
             want_part = layout_partition_numel(layout, numels, world)
-            if int(group["partition_numel"]) != want_part or group["fp32"].numel() != want_part:
+            saved_part = int(group["partition_numel"])
+            if layout == "contiguous" and valid_contiguous_partition(saved_part, sum(numels), world):
+                want_part = saved_part
+            if saved_part != want_part or group["fp32"].numel() != want_part:
                 raise CheckpointError(
                     f"{where}: group {gi} of rank {rank}: partition_numel={group['partition_numel']}, fp32 has "
                     f"{group['fp32'].numel()} elements; the {layout} layout of {sum(numels)} elements over "
@@ -163,7 +181,7 @@ def merge_partitions(states: Sequence[dict], where: str = "checkpoint") -> List[
     for gi, ref in enumerate(states[0]["groups"]):
         names, shapes = list(ref["names"]), [torch.Size(s) for s in ref["shapes"]]
         partition = int(ref["partition_numel"])
-        pieces = param_pieces(layout, [math.prod(s) for s in shapes], world)
+        pieces = param_pieces(layout, [math.prod(s) for s in shapes], world, partition)
         parts = [s["groups"][gi] for s in states]
 
         def rebuild(tensors: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -191,7 +209,7 @@ def merge_partitions(states: Sequence[dict], where: str = "checkpoint") -> List[
 
 # ------------------------------------------------------------------------------ files
 def _has_rank_files(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, optim_file(0)))
+    return any(os.path.isfile(os.path.join(directory, f"{p}{optim_file(0)}")) for p in ("", "bf16_"))
 
 
 def resolve_tag_dir(checkpoint_dir: str, tag: Optional[str] = None) -> str:
@@ -221,7 +239,14 @@ def _tags_hint(checkpoint_dir: str) -> str:
 
 
 def read_rank_states(tag_dir: str, weights_only: bool = True) -> List[dict]:
-    """Every rank's ``stage`` state of a tag directory, index = rank."""
+    """Every rank's ``stage`` state of a tag directory, index = rank (a DeepSpeed checkpoint is
+    translated into dsplug's format, :mod:`.deepspeed_format`)."""
+    from . import deepspeed_format
+
+    deepspeed_format.register_safe_globals()
+    if _is_deepspeed(tag_dir, weights_only):
+        ds = deepspeed_format.DeepSpeedCheckpoint(tag_dir, weights_only)
+        return [ds.dsplug_stage_state(r) for r in range(ds.world_size)]
     first = load_file(os.path.join(tag_dir, optim_file(0)), weights_only)
     if "stage" not in first:
         raise CheckpointError(f"{os.path.join(tag_dir, optim_file(0))} has no 'stage' entry: not a dsplug "
@@ -237,10 +262,27 @@ def read_rank_states(tag_dir: str, weights_only: bool = True) -> List[dict]:
     return states
 
 
-def _module_state(tag_dir: str, weights_only: bool) -> Optional[dict]:
+def _is_deepspeed(tag_dir: str, weights_only: bool) -> bool:
+    """Written by DeepSpeed: no dsplug model file, or one without dsplug's keys."""
+    from .deepspeed_format import zero_model_file
+
     path = os.path.join(tag_dir, MODEL_FILE)
     if not os.path.isfile(path):
-        return None
+        return os.path.isfile(os.path.join(tag_dir, zero_model_file(0)))
+    model = load_file(path, weights_only)
+    return "ds_version" in model and "dsplug_version" not in model and not (
+        os.path.isfile(os.path.join(tag_dir, optim_file(0)))
+        and "stage" in load_file(os.path.join(tag_dir, optim_file(0)), weights_only))
+
+
+def _module_state(tag_dir: str, weights_only: bool) -> Optional[dict]:
+    from .deepspeed_format import zero_model_file
+
+    path = os.path.join(tag_dir, MODEL_FILE)
+    if not os.path.isfile(path):
+        path = os.path.join(tag_dir, zero_model_file(0))  # DeepSpeed at stage 3: partitioned entries are empty
+        if not os.path.isfile(path):
+            return None
     return load_file(path, weights_only).get("module")
 
 

@@ -1,9 +1,10 @@
 """When stage 3 gathers and releases parameters.
 
 Fetch units. Each module fetches its own (direct) parameters plus any registered as external to
-it (:func:`dsplug.zero.register_external_parameter`); with
-``stage3_module_granularity_threshold`` > 0 a module whose parameters-per-descendant ratio is
-below it fetches its whole subtree at once. Persistent parameters are never fetched (always whole).
+it (:func:`dsplug.zero.register_external_parameter`); a module marked as a leaf
+(:func:`dsplug.utils.set_z3_leaf_modules`) fetches its whole subtree at once, and so, with
+``stage3_module_granularity_threshold`` > 0, does a module whose parameters-per-descendant ratio
+is below it. Persistent parameters are never fetched (always whole).
 
 Forward: a forward pre-hook gathers the unit; the forward post-hook releases it, unless another
 running forward holds it or the parameter is used again within ``stage3_max_reuse_distance``
@@ -34,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import external
+from .leaf import z3_leaf_module
 from .partitioned_param import ZeroParamStatus, is_partitioned, unique
 
 logger = logging.getLogger("dsplug")
@@ -283,8 +285,8 @@ def _fetch_units(root: torch.nn.Module, granularity_threshold: int) -> Dict[torc
             return
         if covered:
             units[module] = []
-        elif granularity_threshold > 0 and any(True for _ in module.children()) \
-                and _granularity(module) < granularity_threshold:
+        elif z3_leaf_module(module) or (granularity_threshold > 0 and any(True for _ in module.children())
+                                        and _granularity(module) < granularity_threshold):
             units[module] = list(module.parameters())
             covered = True
         else:

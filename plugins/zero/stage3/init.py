@@ -38,16 +38,32 @@ class _Patcher:
         self.constructing: set = set()
         self.had_init_subclass = False
         self.saved_init_subclass = None
+        self.suspended = False  # shutdown_init_context(): patches removed while contexts are active
 
     def enter(self, ctx: "Init") -> None:
-        if not self.active:
+        if not self.active and not self.suspended:
             self._patch()
         self.active.append(ctx)
 
     def exit(self, ctx: "Init") -> None:
         self.active.remove(ctx)
         if not self.active:
+            if self.suspended:
+                self.suspended = False
+            else:
+                self._unpatch()
+
+    def suspend(self) -> None:
+        """Modules built from now on are not partitioned, until :meth:`resume`."""
+        if self.active and not self.suspended:
             self._unpatch()
+            self.suspended = True
+
+    def resume(self) -> None:
+        if self.suspended:
+            self.suspended = False
+            if self.active:
+                self._patch()
 
     def _patch(self) -> None:
         stack = list(torch.nn.Module.__subclasses__())

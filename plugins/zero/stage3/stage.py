@@ -33,6 +33,7 @@ import torch
 from dsplug.contracts import ZeroStage
 from dsplug.logging import log_rank0
 
+from .. import deepspeed_format as dsf
 from ..gradients import unscale_check_clip
 from ..stage0 import _comm_dtype
 from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
@@ -157,7 +158,7 @@ class InMemoryPartitions:
         pass
 
 
-class PartitionedParamStage(ZeroStage):
+class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
     stage = 3
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
@@ -402,6 +403,45 @@ class PartitionedParamStage(ZeroStage):
             out.append((torch.cat(fp32) if fp32 else torch.zeros(0), per_view, full[names[0]]["hyper"]))
         return out
 
+    # ------------------------------------------------------------------ DeepSpeed's keys (checkpoint hooks)
+    def _ds_param_shapes(self):
+        """DeepSpeed's ``param_shapes``: one name -> shape map per ZeRO-3 sub-group."""
+        size = getattr(self.zero_config, "sub_group_size", None)
+        shapes = []
+        for grp in self.groups:
+            names = [self.names[id(p)] for p in grp.params]
+            shapes += dsf.zero3_sub_group_shapes(names, [torch.Size(p.ds_shape) for p in grp.params],
+                                                 self.world_size, size)
+        return shapes
+
+    def _ds_model_keys(self, engine) -> dict:
+        return dsf.model_keys(self, param_shapes=self._ds_param_shapes(), world_size=self.world_size)
+
+    def _ds_rank_keys(self, engine, state, options) -> dict:
+        if self.optimizer is None:
+            return {}
+        keys = dsf.zero3_keys(state, self.precision, self.optimizer.param_groups,
+                              getattr(self.zero_config, "sub_group_size", None), records=dsf.records_allowed(self))
+        config = dsf._config_dict(self)
+        keys.update(ds_config=config, ds_version=dsf.DS_VERSION)
+        # DeepSpeed reads each rank's own model file at stage 3: counters and metadata, and the
+        # module with every partitioned parameter as an empty tensor (its weights come from the
+        # fp32 partitions)
+        entries = self.module.state_dict(keep_vars=True)
+        module = {k: (torch.empty(0, dtype=v.dtype) if is_partitioned(v) else v.detach()) for k, v in entries.items()}
+        scheduler = getattr(engine, "lr_scheduler", None)
+        model_file = {"module": module, **self._ds_model_keys(engine),
+                      "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                      "global_steps": int(getattr(engine, "global_steps", 0)),
+                      "global_samples": int(getattr(engine, "global_samples", 0)),
+                      "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+                      "ds_config": config}
+        links = {}
+        if self.model_dtype == torch.bfloat16:  # DeepSpeed reads bf16_zero_pp_rank_* then
+            links[dsf.optim_file(self.rank, True)] = dsf.optim_file(self.rank)
+        dsf.write_extra_files(options, self.rank, {dsf.zero_model_file(self.rank): model_file}, links)
+        return keys
+
     # ------------------------------------------------------------------ module state
     def module_state_dict(self) -> dict:
         """The full module state dict (collective: every rank calls it, every rank gets it).
@@ -469,6 +509,74 @@ class PartitionedParamStage(ZeroStage):
                       "stage3_gather_16bit_weights_on_model_save=true; nothing saved", logging.WARNING)
             return None
         return self.module_state_dict()
+
+    # ------------------------------------------------------------------ full values of one parameter
+    # Every rank holds ceil(n/N) elements of each parameter (the per_param layout): a full value is
+    # one all-gather of those pieces.
+    def _where(self, param):
+        """``(group, index)`` of a parameter the stage trains, else None."""
+        return self.place.get(id(param))
+
+    def _gather_piece(self, param, piece: torch.Tensor) -> torch.Tensor:
+        piece = piece.detach().to(device=self.partitioner.device, dtype=torch.float32).reshape(-1)
+        if self.world_size == 1:
+            full = piece.clone()
+        else:
+            full = torch.empty(self.world_size * piece.numel(), dtype=torch.float32, device=piece.device)
+            self.comm.all_gather_into_tensor(full, piece.contiguous())
+        return full[:param.ds_numel].view(param.ds_shape)
+
+    def full_fp32_param(self, param) -> Optional[torch.Tensor]:
+        where = self._where(param)
+        if where is None:
+            return None
+        with self.store.materialized():
+            piece = self.groups[where[0]].views[where[1]].detach().to(torch.float32, copy=True)
+        return self._gather_piece(param, piece)
+
+    def set_full_fp32_param(self, param, value: torch.Tensor) -> None:
+        where = self._where(param)
+        if where is None:
+            return
+        value = value.detach()
+        piece = piece_of(value.to(self.partitioner.partition_device, torch.float32), self.rank, self.world_size)
+        with torch.no_grad(), self.store.materialized(write=True):
+            self.partitioner.store_piece(param, piece)
+            self.groups[where[0]].set_master_piece(where[1], piece)
+            if param.ds_status is ZeroParamStatus.AVAILABLE:
+                param.data.copy_(value)
+
+    def full_grad(self, param) -> Optional[torch.Tensor]:
+        where = self._where(param)
+        grp = None if where is None else self.groups[where[0]]
+        if grp is None or grp.grad is None:
+            return None
+        return self._gather_piece(param, grp.grad_views[where[1]])
+
+    def _state_of(self, param, key: str):
+        where = self._where(param)
+        if where is None or self.optimizer is None:
+            return None, None
+        view = self.groups[where[0]].views[where[1]]
+        return view, self.optimizer.state.get(view, {}).get(key)
+
+    def full_optimizer_state(self, param, key: str):
+        with self.store.materialized():
+            view, value = self._state_of(param, key)
+            if value is None:
+                return None
+            if not is_elementwise(value, view.numel()):
+                return value.clone() if torch.is_tensor(value) else value
+            piece = value.detach().to(torch.float32, copy=True)
+        return self._gather_piece(param, piece)
+
+    def set_full_optimizer_state(self, param, key: str, value: torch.Tensor) -> None:
+        with torch.no_grad(), self.store.materialized(write=True):
+            view, current = self._state_of(param, key)
+            if current is None:
+                raise KeyError(f"the optimizer has no state {key!r} for this parameter yet (it is created by the "
+                               "first step)")
+            current.copy_(piece_of(value.detach().to(current.device, current.dtype), self.rank, self.world_size))
 
     def refresh_master_from_model(self) -> None:
         with torch.no_grad(), self.store.materialized(write=True):

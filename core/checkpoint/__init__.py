@@ -353,3 +353,15 @@ def _py_state_to_plain(state):
 def _plain_to_py_state(state):
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
+
+
+# DeepSpeed's submodules of ``deepspeed.checkpoint`` (``utils``, ``constants``), imported on first use
+_SUBMODULES = {"utils", "constants"}
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""DeepSpeed names dsplug does not provide, each with the reason, so that a DeepSpeed script that
+reaches one gets a clear error naming the feature instead of ``AttributeError`` or
+``No module named ...``.
+
+Two readers:
+
+* ``dsplug.__getattr__`` -- top-level names (``deepspeed.init_inference`` when the script did
+  ``import dsplug as deepspeed``, or ``import deepspeed`` with the alias enabled);
+* the ``deepspeed-alias`` import finder (:mod:`dsplug.plugins.deepspeed_alias.finder`) -- modules
+  (``import deepspeed.module_inject``).
+
+Both consult these tables only for a name dsplug does not have, so a feature implemented later
+wins over its row here (delete the row then). The errors are ``ImportError`` subclasses (the
+module one a ``ModuleNotFoundError``), which ``from deepspeed import X`` and availability probes
+(``try: import ... except ImportError``) expect; an ``AttributeError`` would lose the message in
+``from deepspeed import X``. The price: ``hasattr(deepspeed, "init_inference")`` raises instead
+of returning False for the names listed here.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+
+class NotAvailableInDsplug(ImportError):
+    """A DeepSpeed name (function, class or module) that dsplug does not implement."""
+
+
+class ModuleNotAvailableInDsplug(NotAvailableInDsplug, ModuleNotFoundError):
+    """A DeepSpeed module that dsplug does not implement."""
+
+
+#: feature key -> (what it is, why / what to use instead)
+FEATURES: Dict[str, str] = {
+    "inference": "DeepSpeed-Inference (init_inference, InferenceEngine, kernel injection) is not implemented: "
+                 "dsplug is a training engine; run inference on the trained torch module (engine.module)",
+    "autotp": "automatic tensor parallelism (AutoTP: tp_model_init, deepspeed.module_inject, the 'tensor_parallel' "
+              "config section) is not implemented: dsplug shards with data parallelism and ZeRO stages 1-3",
+    "sequence": "Ulysses sequence parallelism (deepspeed.sequence) is not implemented: dsplug parallelizes over "
+                "data (with ZeRO stages 1-3) only",
+    "pipeline": "pipeline parallelism (deepspeed.pipe: PipelineModule, PipelineEngine) is not implemented: "
+                "use ZeRO stage 3 (and offload) to fit a large model",
+    "moe": "mixture-of-experts layers (deepspeed.moe) are not implemented",
+    "checkpointing": "DeepSpeed's activation checkpointing API (deepspeed.checkpointing) is not implemented: "
+                     "use torch.utils.checkpoint.checkpoint in the model",
+    "autotuning": "the DeepSpeed autotuner (deepspeed.autotuning, add_tuning_arguments) is not implemented",
+    "elasticity": "elastic training (deepspeed.elasticity) is not implemented",
+    "compression": "DeepSpeed's compression API (deepspeed.compression: init_compression, redundancy_clean) is "
+                   "not implemented: compression methods are plugins selected by the 'compression_training' "
+                   "config section ('dsplug list' shows the installed ones)",
+    "linear": "DeepSpeed's LoRA / quantized linear layers (deepspeed.linear) are not implemented: use peft",
+    "kernels": "DeepSpeed's fused CUDA model kernels (transformer, sparse attention, model implementations) are "
+               "not implemented: dsplug's native ops are the optimizer and I/O ops under deepspeed.ops",
+    "env_report": "deepspeed.env_report is not available: run 'dsplug report'",
+}
+
+#: DeepSpeed module -> feature key (a submodule of a listed module is covered by its row)
+MODULES: Dict[str, str] = {
+    "deepspeed.inference": "inference",
+    "deepspeed.model_implementations": "kernels",
+    "deepspeed.module_inject": "autotp",
+    "deepspeed.sequence": "sequence",
+    "deepspeed.runtime.sequence_parallel": "sequence",
+    "deepspeed.pipe": "pipeline",
+    "deepspeed.runtime.pipe": "pipeline",
+    "deepspeed.moe": "moe",
+    "deepspeed.checkpointing": "checkpointing",
+    "deepspeed.runtime.activation_checkpointing": "checkpointing",
+    "deepspeed.autotuning": "autotuning",
+    "deepspeed.elasticity": "elasticity",
+    "deepspeed.compression": "compression",
+    "deepspeed.linear": "linear",
+    "deepspeed.ops.transformer": "kernels",
+    "deepspeed.ops.sparse_attention": "kernels",
+    "deepspeed.env_report": "env_report",
+}
+
+#: DeepSpeed top-level attribute -> feature key (modules in MODULES one level down are covered too)
+NAMES: Dict[str, str] = {
+    "init_inference": "inference",
+    "InferenceEngine": "inference",
+    "DeepSpeedInferenceConfig": "inference",
+    "default_inference_config": "inference",
+    "replace_transformer_layer": "inference",
+    "revert_transformer_layer": "inference",
+    "tp_model_init": "autotp",
+    "PipelineModule": "pipeline",
+    "PipelineEngine": "pipeline",
+    "add_tuning_arguments": "autotuning",
+}
+
+
+def _message(what: str, feature: str) -> str:
+    return f"{what} is not available in dsplug: {FEATURES[feature]}"
+
+
+def attribute_error(name: str) -> Optional[NotAvailableInDsplug]:
+    """The error for ``deepspeed.<name>`` / ``dsplug.<name>``, or None when the table has no row."""
+    feature = NAMES.get(name) or MODULES.get(f"deepspeed.{name}")
+    if feature is None:
+        return None
+    return NotAvailableInDsplug(_message(f"deepspeed.{name} (dsplug.{name})", feature), name=f"dsplug.{name}")
+
+
+def module_error(fullname: str) -> Optional[ModuleNotAvailableInDsplug]:
+    """The error for importing the DeepSpeed module ``fullname`` (``deepspeed.module_inject.auto_tp``),
+    or None when neither it nor a parent has a row."""
+    parts = fullname.split(".")
+    for i in range(len(parts), 1, -1):
+        feature = MODULES.get(".".join(parts[:i]))
+        if feature is not None:
+            return ModuleNotAvailableInDsplug(_message(f"the module {fullname}", feature), name=fullname)
+    return None
