@@ -140,10 +140,9 @@ class ZeroStage(abc.ABC):
             state = {k: v for k, v in state.items() if k not in frozen}
         return {"module": state}
 
-    @hookimpl(tryfirst=True)
-    def dsplug_load_checkpoint_state(self, checkpoint):
-        options = checkpoint.options
-        module_state = checkpoint.model.get("module")
+    def load_module_part(self, module_state, options) -> bool:
+        """Load the module weights of a checkpoint as ``options`` say (``custom_load_fn``, strict);
+        True when the load is module-only (master weights refreshed, nothing else to load)."""
         if module_state is not None:
             if options.custom_load_fn is not None:
                 options.custom_load_fn(src=module_state, dst=self.module)
@@ -151,6 +150,13 @@ class ZeroStage(abc.ABC):
                 self.load_module_state_dict(module_state, strict=options.load_module_strict)
         if options.load_module_only:
             self.refresh_master_from_model()
+            return True
+        return False
+
+    @hookimpl(tryfirst=True)
+    def dsplug_load_checkpoint_state(self, checkpoint):
+        options = checkpoint.options
+        if self.load_module_part(checkpoint.model.get("module"), options):
             return
         if "stage" not in checkpoint.rank:
             from ..checkpoint import CheckpointError

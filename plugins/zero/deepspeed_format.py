@@ -635,13 +635,7 @@ def load(stage, checkpoint, load_stage_state: Callable[..., None]) -> None:
             checkpoint.model.setdefault("micro_steps", int(shared["global_steps"]) * gas)
     else:
         checkpoint.model["client_state"] = shared["client_state"]
-    module_state = ds.module_state()
-    if options.custom_load_fn is not None:
-        options.custom_load_fn(src=module_state, dst=stage.module)
-    else:
-        stage.load_module_state_dict(module_state, strict=options.load_module_strict)
-    if options.load_module_only:
-        stage.refresh_master_from_model()
+    if stage.load_module_part(ds.module_state(), options):
         return
     checkpoint.rank.clear()
     scaler = precision_state(ds.loss_scaler(stage_rank(stage)))
