@@ -145,6 +145,17 @@ def test_a_faulty_plugin_is_reported_and_the_rest_keeps_working(temp_site, clean
     problems = [text for ep, dist, text in registry.broken if dist == "faulty-dist"]
     assert any(expected in text for text in problems), problems
     assert registry.get("optimizer", "adamw") and registry.get("accelerator", "cpu")
+    import torch
+
+    from dsplug.engine import Engine
+
+    model = torch.nn.Linear(3, 1)  # training with the other plugins still works beside the faulty one
+    engine = Engine(model, {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+                    registry=registry)
+    before = model.weight.detach().clone()
+    engine.backward(engine(torch.ones(2, 3)).sum())
+    engine.step()
+    assert engine.global_steps == 1 and not torch.equal(before, model.weight.detach())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(temp_site), os.environ.get("PYTHONPATH", "")]))
     listed = subprocess.run([sys.executable, "-m", "dsplug.cli", "list"], env=env, capture_output=True, text=True)
     assert listed.returncode == 0 and "faulty-dist" in listed.stdout, listed.stderr
