@@ -165,11 +165,12 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         return bus
 
     def _build_compression(self) -> list:
-        methods = []
-        for provided, section in self.config.compression:
+        methods = []  # highest spec priority first (layer reduction before the layer methods), then config order
+        for provided, section in sorted(self.config.compression, key=lambda pair: -pair[0].spec.priority):
             method = provided.spec.factory(section, self.context)
-            method.name = provided.name
-            methods.append(method)
+            if method is not None:  # None: the method's section is disabled
+                method.name = provided.name
+                methods.append(method)
         return methods
 
     def _join(self, part, name: Optional[str] = None) -> None:

@@ -124,8 +124,9 @@ class CategorySpecs:
         """Compression methods, selected by their key under ``compression_training``.
 
         ``spec.name`` is the key (``"weight_quantization"``); ``spec.schema`` parses its value.
-        ``factory(section, context) -> dsplug.contracts.CompressionMethod``; the engine applies
-        ``compress(model)`` at initialize and joins the method to its event bus.
+        ``factory(section, context) -> dsplug.contracts.CompressionMethod`` (or None when the section
+        is disabled); the engine applies ``compress(model)`` at initialize, in order of
+        ``spec.priority`` (highest first) and then config order, and joins the method to its event bus.
         """
 
     @hookspec

@@ -44,9 +44,6 @@ FEATURES: Dict[str, str] = {
                      "use torch.utils.checkpoint.checkpoint in the model",
     "autotuning": "the DeepSpeed autotuner (deepspeed.autotuning, add_tuning_arguments) is not implemented",
     "elasticity": "elastic training (deepspeed.elasticity) is not implemented",
-    "compression": "DeepSpeed's compression API (deepspeed.compression: init_compression, redundancy_clean) is "
-                   "not implemented: compression methods are plugins selected by the 'compression_training' "
-                   "config section ('dsplug list' shows the installed ones)",
     "linear": "DeepSpeed's LoRA / quantized linear layers (deepspeed.linear) are not implemented: use peft",
     "kernels": "DeepSpeed's fused CUDA model kernels (transformer, sparse attention, model implementations) are "
                "not implemented: dsplug's native ops are the optimizer and I/O ops under deepspeed.ops",
@@ -67,7 +64,6 @@ MODULES: Dict[str, str] = {
     "deepspeed.runtime.activation_checkpointing": "checkpointing",
     "deepspeed.autotuning": "autotuning",
     "deepspeed.elasticity": "elasticity",
-    "deepspeed.compression": "compression",
     "deepspeed.linear": "linear",
     "deepspeed.ops.transformer": "kernels",
     "deepspeed.ops.sparse_attention": "kernels",

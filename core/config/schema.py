@@ -31,6 +31,9 @@ Every number must be usable (a config that trains to NaN is an error, not a run)
 * an integer fits in 64 bits (``-2**63 .. 2**63 - 1``): ``1e308`` is not an integer here;
 * ``ge`` / ``gt`` / ``le`` / ``lt`` bounds apply to each number of a list value as well.
 
+``Dict[str, SomeSchema]`` fields parse every value with ``SomeSchema`` (errors name
+``section.key.<name>.field``): named groups such as ``compression_training``'s ``different_groups``.
+
 Bounds shared by plugins (use them in ``le=`` / ``ge=``): :data:`MAX_LR` for learning rates and
 :data:`MIN_LOSS_SCALE` .. :data:`MAX_LOSS_SCALE` for loss scales.
 """
@@ -323,6 +326,9 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
     if origin in (dict, Dict) or tp is dict:
         if not isinstance(value, dict):
             raise _Bad
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is not Any:  # Dict[str, Schema]: each value parsed by its type
+            return {key: _coerce(args[1], item, f"{path}.{key}", report, finite) for key, item in value.items()}
         if finite:
             _check_numbers(value, path)
         return dict(value)

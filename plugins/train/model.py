@@ -42,12 +42,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
+        batch, time, _ = x.shape
+        # the widths come from the projections, so a head-pruned attention (fewer heads) still works
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        head_width = q.shape[-1] // self.n_heads
         # (batch, heads, time, head width)
-        q, k, v = (t.view(batch, time, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, time, self.n_heads, head_width).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, self.n_heads * head_width))
 
 
 class Block(nn.Module):

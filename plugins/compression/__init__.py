@@ -1,0 +1,25 @@
+"""Compression-method plugins: the seven entries of ``compression_training``.
+
+Each method registers on its own (an entry point per module) and is selected by its key:
+
+* :mod:`.layer_reduction` -- ``layer_reduction``: a shallower student from chosen teacher layers
+* :mod:`.weight_quantization` -- ``weight_quantization``: quantization-aware training of weights
+* :mod:`.activation_quantization` -- ``activation_quantization``: quantized layer inputs
+* :mod:`.sparse_pruning` -- ``sparse_pruning``: l1 / topk / snip_momentum weight sparsity
+* :mod:`.row_pruning`, :mod:`.head_pruning`, :mod:`.channel_pruning` -- structured pruning with
+  physical removal by ``redundancy_clean``
+
+Shared pieces: :mod:`.layers` (the compressed Linear / Conv2d layer), :mod:`.selection` (name
+patterns), :mod:`.method` and :mod:`.pruning` (schedules, state), :mod:`.quantize` and
+:mod:`.masks` (the tensor math; quantization has a native op), :mod:`.shrink` (physical
+removal), :mod:`.api` (``init_compression`` / ``redundancy_clean``, DeepSpeed's
+``deepspeed.compression.compress``).
+"""
+from dsplug import hookimpl
+from dsplug.descriptors import ApiModule
+
+
+@hookimpl
+def dsplug_api_modules():
+    return [ApiModule("dsplug.compression", "dsplug.plugins.compression.api"),
+            ApiModule("dsplug.compression.compress", "dsplug.plugins.compression.api")]
