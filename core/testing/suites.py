@@ -617,6 +617,15 @@ class CompressionContract(_SectionContract):
         name = self.provided().name
         return next((m for m in engine.compression if m.name == name), None)
 
+    def model(self):
+        """The model the tests compress (override for a method that needs other layers, e.g.
+        Conv2d); it takes :func:`dsplug.testing.tiny_batch` inputs. Default: ``tiny_model()``."""
+        return harness.tiny_model()
+
+    def make_engine(self, **kwargs):
+        kwargs.setdefault("model", self.model())
+        return super().make_engine(**kwargs)
+
     def test_spec_is_discoverable(self):
         PluginContract.test_spec_is_discoverable(self)
         spec = self.provided().spec
@@ -625,12 +634,12 @@ class CompressionContract(_SectionContract):
     def test_compress_keeps_the_model_callable(self):
         import torch
 
-        reference = harness.tiny_model()
+        reference = self.model()
         x, _ = harness.tiny_batch(0, size=3)
         with torch.no_grad():
             want = reference(x)
         method = self.build()
-        model = method.compress(harness.tiny_model())
+        model = method.compress(self.model())
         assert isinstance(model, torch.nn.Module), f"compress returned {type(model).__name__}, not a module"
         with torch.no_grad():
             got = model(x)

@@ -7,8 +7,9 @@
 * :func:`redundancy_clean` returns the physically smaller model after training: quantized
   weights baked in, sparse masks multiplied in, pruned rows / heads / channels removed with the
   matching inputs of the related layers. It uses the methods the engine trained with (their
-  step and masks); for a model that was not trained by an engine it cleans as if every schedule
-  had reached its end (masks taken from the current weights and scores).
+  step and masks); a method whose schedule never started (``schedule_offset`` not reached, or a
+  model no engine trained) cleans as if its schedule had run to its end (masks taken from the
+  current weights and scores).
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
             method = trained[method.name]
         elif isinstance(method, ScheduledMethod):
             method.compress(model)
-            method.on_step(_final_step(method))
+        if isinstance(method, ScheduledMethod) and method.step < method.shared.schedule_offset:
+            method.on_step(_final_step(method))  # never started: clean as if its schedule had run
         methods.append(method)
     for method in sorted(methods, key=lambda m: getattr(m, "clean_order", 1)):
         model = method.clean(model)
