@@ -372,7 +372,12 @@ def _zero_worker(stage, dtype_key):
     rank = dsplug.comm.get_rank()
     losses = train(engine, 5, size=4, rank_slice=slice(2 * rank, 2 * rank + 2))
     masks = {n: b.clone() for n, b in engine.module.named_buffers() if n.endswith("_mask")}
-    return losses, masks
+    model = engine.module.eval()
+    with torch.no_grad():
+        want = model(batch(99))
+        cleaned = redundancy_clean(model, config(ZERO_COMPRESSION, **extra))  # stage 3: gathered for the clean
+        clean_difference = (cleaned(batch(99)) - want).abs().max().item()
+    return losses, masks, clean_difference, cleaned.blocks[0].mlp[0].out_features
 
 
 def _single(dtype_key):
@@ -397,7 +402,8 @@ def _single(dtype_key):
 def test_zero_stages_over_two_processes_train_like_one_process(stage):
     want_losses, want_masks = _single(None)
     results = run_distributed(_zero_worker, 2, stage, None)
-    for rank, (losses, masks) in enumerate(results):
+    for rank, (losses, masks, clean_difference, width) in enumerate(results):
+        assert clean_difference < 1e-5 and width == 64, f"rank {rank}: redundancy_clean"
         assert masks.keys() == want_masks.keys()
         for name in masks:
             assert torch.equal(masks[name], results[0][1][name]), f"rank {rank} {name} differs from rank 0"

@@ -10,6 +10,11 @@
   step and masks); a method whose schedule never started (``schedule_offset`` not reached, or a
   model no engine trained) cleans as if its schedule had run to its end (masks taken from the
   current weights and scores).
+
+  Under ZeRO stage 3 the parameters are gathered for the clean: the shrunk layers come out as
+  ordinary whole modules, the others stay partitioned (the engine's forward still gathers them).
+  The cleaned model is for evaluation and export (``engine.save_16bit_model``, a state dict);
+  training it further needs a new engine.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dsplug.context import BuildContext
 
 from .layer_reduction import LayerReduction, student_initialization as _student_initialization
 from .layers import CompressedLayer, make_plain
-from .method import METHODS_ATTRIBUTE, ScheduledMethod, is_partitioned
+from .method import METHODS_ATTRIBUTE, ScheduledMethod, gathered
 from .selection import CompressionConfigError
 
 def _config(deepspeed_config):
@@ -73,12 +78,13 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
 def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
     """The physically smaller model (see the module docstring); changes ``model`` in place."""
     _check_mpu(mpu)
-    if is_partitioned(model.parameters()):
-        raise CompressionConfigError(
-            "redundancy_clean needs whole weights, and ZeRO stage 3 holds this model's parameters partitioned: "
-            "build the model again, apply init_compression(model, config), load the trained weights into it "
-            "(engine.save_16bit_model / zero_to_fp32 give the full state dict, masks and scores included), then "
-            "call redundancy_clean on that model")
+    # ZeRO stage 3: every parameter gathered for the clean; the shrunk layers are new, whole modules,
+    # the others are partitioned again (with what the clean wrote into them) when it ends
+    with gathered(list(model.parameters()), modify=True, whole_model=True):
+        return _clean(model, deepspeed_config)
+
+
+def _clean(model: nn.Module, deepspeed_config) -> nn.Module:
     trained: Dict[str, Any] = model.__dict__.get(METHODS_ATTRIBUTE, {})
     methods = []
     for method in build_methods(deepspeed_config):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -43,18 +44,26 @@ def is_partitioned(params) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
+_whole = threading.local()  # inside gathered(..., whole_model=True): everything is gathered already
+
+
 @contextlib.contextmanager
-def gathered(params, modify: bool = False):
+def gathered(params, modify: bool = False, whole_model: bool = False):
     """Full parameters inside the block: ZeRO stage 3's ``GatheredParameters`` for partitioned ones
-    (changes written back from rank 0 when ``modify``), nothing to do otherwise."""
+    (changes written back from rank 0 when ``modify``), nothing to do otherwise. ``whole_model``
+    marks a block that gathered every parameter (nested calls then do nothing)."""
     params = [p for p in params if p is not None]
-    if not is_partitioned(params):
+    if getattr(_whole, "active", False) or not is_partitioned(params):
         yield
         return
     from dsplug.zero import GatheredParameters
 
     with GatheredParameters(params, modifier_rank=0 if modify else None):
-        yield
+        _whole.active = whole_model
+        try:
+            yield
+        finally:
+            _whole.active = False
 
 
 class ScheduledMethod(CompressionMethod):
