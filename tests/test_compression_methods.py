@@ -398,16 +398,17 @@ def _single(dtype_key):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_stages_over_two_processes_train_like_one_process(stage):
-    want_losses, want_masks = _single(None)
-    results = run_distributed(_zero_worker, 2, stage, None)
+@pytest.mark.parametrize("stage, dtype_key, tolerance", [(2, None, 2e-4), (3, "bf16", 2e-2)])
+def test_zero_stages_over_two_processes_train_like_one_process(stage, dtype_key, tolerance):
+    want_losses, want_masks = _single(dtype_key)
+    results = run_distributed(_zero_worker, 2, stage, dtype_key)
     for rank, (losses, masks, clean_difference, width) in enumerate(results):
-        assert clean_difference < 1e-5 and width == 64, f"rank {rank}: redundancy_clean"
+        assert clean_difference < (1e-5 if dtype_key is None else 1e-2) and width == 64, f"rank {rank}: redundancy_clean"
         assert masks.keys() == want_masks.keys()
         for name in masks:
             assert torch.equal(masks[name], results[0][1][name]), f"rank {rank} {name} differs from rank 0"
     mean = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
-    assert mean == pytest.approx(want_losses, abs=2e-4)
-    agreement = sum(torch.equal(results[0][1][n], want_masks[n]) for n in want_masks) / len(want_masks)
-    assert agreement >= 0.75, "most masks should match the single-process run exactly"
+    assert mean == pytest.approx(want_losses, abs=tolerance)
+    if dtype_key is None:  # in bf16 near-ties of scores rank differently from the 1-process run
+        agreement = sum(torch.equal(results[0][1][n], want_masks[n]) for n in want_masks) / len(want_masks)
+        assert agreement >= 0.75, "most masks should match the single-process run exactly"
