@@ -270,6 +270,9 @@ def test_layer_reduction_copies_the_named_teacher_layers_exactly():
             assert torch.equal(got, want), name
     assert torch.equal(student.token_embedding.weight, teacher.token_embedding.weight)
     assert torch.equal(student.ln_final.weight, teacher.ln_final.weight)
+    # the engine applies the config again to the student init_compression made: it stays as it is
+    engine, *_ = dsplug.initialize(model=student, config=cfg)
+    assert torch.equal(engine.module.blocks[1].mlp[0].weight, teacher.blocks[3].mlp[0].weight)
     # from the config alone (the engine): the model is cut to its own layers 1 and 3
     model = lm(seed=1, layers=4)
     engine, *_ = dsplug.initialize(model=model, config=cfg)

@@ -9,7 +9,8 @@ the teacher's module of the same name:
   ``keep_number_layer`` layers (or the teacher's count, which is then cut to the kept ones);
   weights are copied from the teacher exactly;
 * without a teacher (what the engine does from the config alone): the model is its own teacher --
-  its layer list is cut to the layers ``teacher_layer`` names, in that order.
+  its layer list is cut to the layers ``teacher_layer`` names, in that order; a model that already
+  has ``keep_number_layer`` layers (``init_compression`` made it the student) is left as it is.
 
 A Hugging Face model's ``config.num_hidden_layers`` follows the new depth.
 """
@@ -43,6 +44,8 @@ def _layers(model: nn.Module, prefix: str, what: str) -> nn.Module:
 def student_initialization(student: nn.Module, teacher: Optional[nn.Module], config: LayerReductionConfig) -> nn.Module:
     """Cut ``student``'s layers to the kept ones and copy the chosen teacher layers into them."""
     layers = _layers(student, config.module_name_prefix, "model")
+    if teacher is None and len(layers) == config.keep_number_layer:
+        return student  # already the student's depth (init_compression reduced it, or it was built so)
     source = _layers(teacher, config.module_name_prefix, "teacher model") if teacher is not None else layers
     for index in config.teacher_layer:
         if index >= len(source):
