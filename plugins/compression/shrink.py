@@ -108,7 +108,9 @@ def _check_conv(conv, what: str) -> None:
 
 
 def _new_conv(conv, in_ch: int, out_ch: int):
-    return type(conv)(in_ch, out_ch, kernel_size=conv.kernel_size, stride=conv.stride, padding=conv.padding,
+    # the plain torch class, also for a subclass (a compressed layer): the copy carries no extra state
+    plain = next(c for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(conv, c))
+    return plain(in_ch, out_ch, kernel_size=conv.kernel_size, stride=conv.stride, padding=conv.padding,
                       dilation=conv.dilation, groups=1, bias=conv.bias is not None,
                       padding_mode=conv.padding_mode, device="meta", dtype=conv.weight.dtype)
 

@@ -54,17 +54,6 @@ class WeightQuantization(ScheduledMethod):
                 f"{self.path}.shared_parameters.quantizer_kernel: true needs dsplug's native quantizer op, which is "
                 f"not available here (see `dsplug report`); set it to false to use the torch implementation "
                 f"(same results)")
-        if shared.enabled and not shared.quantize_weight_in_forward and self._precision() == "fp32":
-            raise CompressionConfigError(
-                f"{self.path}.shared_parameters.quantize_weight_in_forward: false quantizes the fp16/bf16 weights "
-                f"after each optimizer step, keeping the fp32 master copy exact; this run trains in fp32, where the "
-                f"weights are the optimizer's own. Set it to true (quantize in the forward) or enable bf16/fp16")
-
-    def _precision(self) -> str:
-        config = getattr(self.context, "config", None)
-        if config is None or not hasattr(config, "selection"):
-            return "unknown"  # standalone init_compression: the engine checks again
-        return config.selection("precision")[0].name
 
     def attach(self, target: Target) -> None:
         shared = self.shared
@@ -145,6 +134,22 @@ class WeightQuantization(ScheduledMethod):
         return model
 
 
+def in_step_quantization_needs_low_precision(config, report) -> None:
+    """quantize_weight_in_forward false needs separate fp16/bf16 weights (a config rule, so that
+    ``dsplug config check`` reports it too)."""
+    for provided, section in config.compression:
+        if provided.name != "weight_quantization":
+            continue
+        shared = section.shared_parameters
+        if not shared.enabled or shared.quantize_weight_in_forward:
+            continue
+        if config.selection("precision")[0].name == "fp32":
+            report.error("compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward",
+                         "false quantizes the fp16/bf16 weights after each optimizer step, keeping the fp32 master "
+                         "copy exact; this config trains in fp32, where the weights are the optimizer's own. Set it "
+                         "to true (quantize in the forward) or enable bf16 / fp16")
+
+
 def build(config: WeightQuantizationConfig, context) -> WeightQuantization:
     return WeightQuantization(config, context)
 
@@ -153,4 +158,5 @@ def build(config: WeightQuantizationConfig, context) -> WeightQuantization:
 def dsplug_compression_methods():
     return [PluginSpec(category="compression", name="weight_quantization", ops=("quantizer",),
                        schema=WeightQuantizationConfig, factory=build,
+                       rules=(in_step_quantization_needs_low_precision,),
                        summary="quantization-aware training of Linear/Conv2d weights (bits scheduled per group)")]
