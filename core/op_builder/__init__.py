@@ -32,12 +32,14 @@ from .builder import (
     native_disabled,
 )
 from .cpu_optimizers import CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
+from .quantizer import QuantizerBuilder
 
 ALL_OPS: Dict[str, Type[OpBuilder]] = {
     CPUAdamBuilder.NAME: CPUAdamBuilder,
     CPUAdagradBuilder.NAME: CPUAdagradBuilder,
     CPULionBuilder.NAME: CPULionBuilder,
     AsyncIOBuilder.NAME: AsyncIOBuilder,
+    QuantizerBuilder.NAME: QuantizerBuilder,
 }
 
 
@@ -88,5 +90,5 @@ def all_op_status() -> List[OpStatus]:
 __all__ = [
     "ALL_OPS", "OpStatus", "op_status", "all_op_status", "get_builder", "OpBuilder", "OpBuildError",
     "OpUnavailableError", "NativeOpsFallbackWarning", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder",
-    "AsyncIOBuilder", "cache_root", "native_disabled", "CACHE_ENV", "DISABLE_ENV",
+    "AsyncIOBuilder", "QuantizerBuilder", "cache_root", "native_disabled", "CACHE_ENV", "DISABLE_ENV",
 ]

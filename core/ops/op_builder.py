@@ -64,7 +64,8 @@ TransformerBuilder = _unavailable("TransformerBuilder", "transformer", "torch's 
 StochasticTransformerBuilder = _unavailable("StochasticTransformerBuilder", "stochastic_transformer",
                                             "torch's own transformer layers")
 SparseAttnBuilder = _unavailable("SparseAttnBuilder", "sparse_attn", "torch.nn.functional.scaled_dot_product_attention")
-QuantizerBuilder = _unavailable("QuantizerBuilder", "quantizer", "torch's quantization")
+QuantizerBuilder = _unavailable("QuantizerBuilder", "quantizer",
+                                "dsplug.plugins.compression.quantize (dsplug's own quantizer op, another API)")
 FPQuantizerBuilder = _unavailable("FPQuantizerBuilder", "fp_quantizer", "torch's quantization")
 InferenceBuilder = _unavailable("InferenceBuilder", "transformer_inference", "torch's own modules")
 InferenceCoreBuilder = _unavailable("InferenceCoreBuilder", "inference_core_ops", "torch's own modules")

@@ -31,9 +31,10 @@ holding a NaN or an infinity comes out all-NaN. The result does not require grad
 
 ``quantize_dequantize_range(x, bits, lo, hi, symmetric=True)``: static range (activation
 calibration). ``lo``/``hi`` (python floats or 0-dim tensors, ``lo <= hi``; a non-finite one
-makes the output non-finite) are first rounded to float32; symmetric uses ``scale = max(|lo|, |hi|) / qmax``, asymmetric uses the given
-``lo``/``hi`` in the formulas above; values outside the range clamp to it; nearest rounding. A
-zero scale (``lo == hi``, e.g. an uncalibrated observer) passes values through unchanged.
+makes the output non-finite) are first rounded to float32; symmetric uses
+``scale = max(|lo|, |hi|) / qmax``, asymmetric uses the given ``lo``/``hi`` in the formulas
+above; values outside the range clamp to it; nearest rounding. A zero scale (``lo == hi``, e.g.
+an uncalibrated observer) passes values through unchanged.
 
 ``quantize_dequantize_rows(x, bits, symmetric=True)``: one group per row of ``x`` viewed as
 ``(-1, x.shape[-1])`` (per-token dynamic quantization).
@@ -175,20 +176,29 @@ def _torch_scales(xg: torch.Tensor, bits: int, symmetric: bool) -> Tuple[torch.T
 
 def _torch_apply(xg: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, symmetric: bool,
                  noise: Optional[torch.Tensor], want_codes: bool = False):
-    """(dequantized [groups, size], codes as float or None): the formulas, op by op in float32."""
+    """(dequantized [groups, size], codes [groups, size] as float32 or None): the formulas, op by
+    op in float32, in place on one temporary."""
     bottom, top = _levels(bits, symmetric)
     s = scale.unsqueeze(1)
     lo = offset.unsqueeze(1)
-    t = xg if symmetric else xg - lo
-    t = t / s
-    t = torch.floor(t + noise.view_as(t)) if noise is not None else torch.round(t)
-    t = t.clamp(bottom, top)
-    out = t * s
+    t = xg / s if symmetric else torch.sub(xg, lo).div_(s)
+    if noise is not None:
+        t.add_(noise.view_as(t)).floor_()
+    else:
+        t.round_()
+    t.clamp_(bottom, top)
+    zero = scale == 0  # constant groups: unchanged (codes 0)
+    any_zero = bool(zero.any())
+    codes = None
+    if want_codes:
+        codes = t.clone()
+        if any_zero:
+            codes[zero] = 0
+    out = t.mul_(s)
     if not symmetric:
-        out = out + lo
-    zero = s == 0
-    out = torch.where(zero, xg, out)
-    codes = torch.where(zero, torch.zeros((), dtype=t.dtype, device=t.device), t) if want_codes else None
+        out.add_(lo)
+    if any_zero:
+        out[zero] = xg[zero]
     return out, codes
 
 
