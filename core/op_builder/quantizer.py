@@ -10,32 +10,14 @@ name for scripts probing DeepSpeed's op, and reports it unavailable).
 """
 from __future__ import annotations
 
+from ..ops.native.handle import NativeOpHandle
 from .builder import OpBuilder
 
 
-class QuantizerOp:
+class QuantizerOp(NativeOpHandle):
     """The loaded quantizer op: the native extension, or ``None`` for the pure-torch fallback."""
 
     op_name = "quantizer"
-
-    def __init__(self, native=None):
-        self.native = native
-
-    @property
-    def is_native(self) -> bool:
-        return self.native is not None
-
-    @property
-    def isa(self) -> str:
-        """SIMD path of the native build ("avx512", "avx2", "scalar") or "torch"."""
-        return self.native.simd_isa() if self.native is not None else "torch"
-
-    @property
-    def backend(self) -> str:
-        return f"native ({self.isa})" if self.native is not None else "torch fallback"
-
-    def __repr__(self) -> str:
-        return f"<{self.op_name} op: {self.backend}>"
 
 
 class QuantizerBuilder(OpBuilder):

@@ -59,6 +59,7 @@ from typing import Optional, Tuple
 import torch
 
 from dsplug.op_builder import OpUnavailableError, native_disabled
+from dsplug.ops.native.handle import thread_count
 from dsplug.op_builder.quantizer import QuantizerBuilder
 
 __all__ = [
@@ -154,14 +155,6 @@ def _noise(n: int, generator, device) -> torch.Tensor:
     return torch.rand(n, generator=generator, dtype=torch.float32, device=device)
 
 
-def _threads(num_threads: Optional[int]) -> int:
-    if num_threads is None:
-        return torch.get_num_threads()
-    if int(num_threads) < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    return int(num_threads)
-
-
 # --------------------------------------------------------------------------- the two backends
 def _torch_scales(xg: torch.Tensor, bits: int, symmetric: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-row (group) scale and offset of xg [groups, size], float32."""
@@ -208,7 +201,7 @@ def _native_call(native, flat, out, noise, codes, scale, offset, groups, bits, s
         raise ValueError(f"the native quantizer op runs CPU tensors; x is on {flat.device}")
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     native.quantize(flat.data_ptr(), ptr(out), ptr(noise), ptr(codes), scale.data_ptr(), offset.data_ptr(),
-                    flat.numel(), groups, bits, bool(symmetric), bool(compute_scales), _threads(num_threads))
+                    flat.numel(), groups, bits, bool(symmetric), bool(compute_scales), thread_count(num_threads))
 
 
 def _qdq(x, bits, groups, symmetric, stochastic, generator, native, num_threads=None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .handle import NativeOpHandle, thread_count
 from .tensor_args import DTYPE_CODES, NO_OUTPUT, check_cpu_tensor
 
 STATE_DTYPES = {
@@ -51,14 +52,6 @@ def check_update_args(param, grad, states: Dict[str, torch.Tensor], out=None):
     return n, DTYPE_CODES[param.dtype], DTYPE_CODES[state_dtype], out_code
 
 
-def _threads(num_threads: Optional[int]) -> int:
-    if num_threads is None:
-        return torch.get_num_threads()
-    if int(num_threads) < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    return int(num_threads)
-
-
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -73,29 +66,8 @@ def _store(dst: torch.Tensor, value: torch.Tensor) -> None:
         dst.copy_(value)  # fp32 -> bf16 / fp16 rounds to nearest even
 
 
-class CPUOptimizerKernel:
+class CPUOptimizerKernel(NativeOpHandle):
     """Common part: which backend runs the update."""
-
-    op_name = ""
-
-    def __init__(self, native=None):
-        self.native = native
-
-    @property
-    def is_native(self) -> bool:
-        return self.native is not None
-
-    @property
-    def isa(self) -> str:
-        """SIMD path of the native build ("avx512", "avx2", "scalar") or "torch"."""
-        return self.native.simd_isa() if self.native is not None else "torch"
-
-    @property
-    def backend(self) -> str:
-        return f"native ({self.isa})" if self.native is not None else "torch fallback"
-
-    def __repr__(self) -> str:
-        return f"<{self.op_name} op: {self.backend}>"
 
 
 class AdamKernel(CPUOptimizerKernel):
@@ -114,7 +86,7 @@ class AdamKernel(CPUOptimizerKernel):
             self.native.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                   _ptr(out), n, p_code, s_code, o_code, float(lr), float(beta1), float(beta2),
                                   float(eps), float(weight_decay), int(step), bool(bias_correction),
-                                  bool(adamw_mode), _threads(num_threads))
+                                  bool(adamw_mode), thread_count(num_threads))
             return
         if bias_correction and _fused_adam_applies(param, grad, exp_avg, exp_avg_sq):
             fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
@@ -163,7 +135,7 @@ class AdagradKernel(CPUOptimizerKernel):
         if self.native is not None:
             self.native.adagrad_step(param.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), _ptr(out), n, p_code,
                                      s_code, o_code, float(lr), float(eps), float(weight_decay), float(lr_decay),
-                                     int(step), _threads(num_threads))
+                                     int(step), thread_count(num_threads))
             return
         with torch.no_grad():
             p, g, s = _fp32(param), _fp32(grad), _fp32(state_sum)
@@ -190,7 +162,7 @@ class LionKernel(CPUOptimizerKernel):
         if self.native is not None:
             self.native.lion_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), _ptr(out), n, p_code, s_code,
                                   o_code, float(lr), float(beta1), float(beta2), float(weight_decay),
-                                  _threads(num_threads))
+                                  thread_count(num_threads))
             return
         with torch.no_grad():
             p, g, m = _fp32(param), _fp32(grad), _fp32(exp_avg)
