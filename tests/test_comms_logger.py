@@ -59,7 +59,7 @@ def test_schema_errors_name_the_key_and_what_is_valid():
 def test_deepspeed_op_names_select_dsplug_ops():
     config = parse(CommsLoggerConfig, {"prof_all": False, "prof_ops": [
         "all_gather_into_tensor", "reduce_scatter_tensor", "inference_all_reduce", "all_to_all_single"]}, "c")
-    assert selected_ops(config) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert selected_ops(config) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all_single"}
     assert selected_ops(parse(CommsLoggerConfig, {"prof_ops": ["barrier"]}, "c")) is None  # prof_all wins
 
 
@@ -132,11 +132,11 @@ def test_factory_warns_about_prof_ops_that_cannot_take_effect(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="dsplug"):
             build_observer({"enabled": True, "prof_ops": ["all_reduce"]}, _Context())
-            build_observer({"enabled": True, "prof_all": False, "prof_ops": ["send"]}, _Context())
+            build_observer({"enabled": True, "prof_all": False, "prof_ops": ["gather"]}, _Context())
     finally:
         logger.propagate = False
     assert "prof_all is true, so every op is logged and prof_ops ['all_reduce'] has no effect" in caplog.text
-    assert "never issues send" in caplog.text
+    assert "never issues gather" in caplog.text
     assert "names no op that dsplug issues, so nothing will be logged" in caplog.text
 
 

@@ -290,14 +290,19 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 
 
 class _AllWorks:
-    """Several pending works that finish together."""
+    """Several pending works that finish together; ``after`` (if given) runs once when they have."""
 
-    def __init__(self, works):
+    def __init__(self, works, after: Optional[Callable[[], None]] = None, gloo: bool = True):
         self.works = [w for w in works if w is not None]
+        self.after = after
+        self.gloo = gloo
 
     def wait(self, timeout=None):
         for w in self.works:
-            faults.bounded_wait(w, gloo=True)  # only gloo issues these
+            faults.bounded_wait(w, gloo=self.gloo)
+        if self.after is not None:
+            after, self.after = self.after, None
+            after()
         return True
 
     def is_completed(self):
@@ -418,3 +423,167 @@ def broadcast_object(obj, src: int = 0, group=None):
 
 # DeepSpeed's deepspeed.comm names that scripts and Hugging Face / Accelerate call besides the above
 from .deepspeed_compat import *  # noqa: E402,F401,F403
+
+
+# ------------------------------------------------------------------------------ point-to-point, all-to-all
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking). Listeners see op ``"send"`` with the
+    tensor's bytes."""
+    _run("send", _nbytes(tensor), lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False, group)
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (any rank when None); returns the sender's
+    rank, like torch. Listeners see op ``"recv"`` with the tensor's bytes (the message size)."""
+    sender = [src if src is not None else -1]
+
+    def fn():
+        sender[0] = dist.recv(tensor, src=src, group=group, tag=tag)
+
+    _run("recv", _nbytes(tensor), fn, False, group)
+    return sender[0]
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """Asynchronous :func:`send`: returns a work handle whose ``wait()`` finishes it (and reports
+    op ``"send"`` to listeners, flagged async)."""
+    return _run("send", _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True, group)
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0):
+    """Asynchronous :func:`recv`: returns a work handle; ``tensor`` holds the message after ``wait()``."""
+    return _run("recv", _nbytes(tensor), lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True, group)
+
+
+#: backends whose process groups turned out to lack all-to-all: there it is point-to-point messages
+_NO_NATIVE_ALL_TO_ALL = set()
+#: the tag of the fallback's messages, apart from a user's point-to-point traffic (tag 0 by default)
+_ALL_TO_ALL_TAG = 0x0A2A
+
+
+def _unsupported(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("does not support", "not supported", "not implemented"))
+
+
+def _native_or_p2p(native: Callable, p2p: Callable, group):
+    """``native()`` (torch's all-to-all) unless the backend lacks it, else ``p2p()``.
+
+    A backend without all-to-all refuses it locally, before any message, on every rank alike, so
+    falling back then is safe; the backend is remembered and later calls go straight to ``p2p``.
+    """
+    backend = get_backend(group)
+    if backend not in _NO_NATIVE_ALL_TO_ALL:
+        try:
+            return native()
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _unsupported(exc):
+                raise
+            _NO_NATIVE_ALL_TO_ALL.add(backend)
+    return p2p()
+
+
+def _p2p_all_to_all(outputs, inputs, group, async_op: bool):
+    """All-to-all as one isend/irecv pair per other rank plus a local copy: ``inputs[r]`` goes to
+    group rank r, ``outputs[r]`` receives group rank r's message. Contiguous tensors are sent and
+    received in place; others go through contiguous copies."""
+    rank, world = get_rank(group), get_world_size(group)
+    sends = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+    recvs = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in outputs]
+    works = []
+    for offset in range(1, world):  # a ring order: every rank talks to rank + k while rank - k talks to it
+        dst, src = (rank + offset) % world, (rank - offset) % world
+        if sends[dst].numel():
+            works.append(dist.isend(sends[dst], dst=_global_rank(group, dst), group=group, tag=_ALL_TO_ALL_TAG))
+        if recvs[src].numel():
+            works.append(dist.irecv(recvs[src], src=_global_rank(group, src), group=group, tag=_ALL_TO_ALL_TAG))
+    recvs[rank].copy_(sends[rank])
+
+    def after():
+        for out, got in zip(outputs, recvs):
+            if out is not got:
+                out.copy_(got)
+
+    pending = _AllWorks(works, after, gloo=get_backend(group) == "gloo")
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _splits(name: str, sizes, rows: int, world: int) -> List[int]:
+    if sizes is None or len(sizes) == 0:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: {name} has {rows} rows along dim 0, not divisible by the "
+                             f"{world} ranks; give {name}_split_sizes")
+        return [rows // world] * world
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(f"all_to_all_single: {name}_split_sizes {sizes} must be {world} non-negative sizes "
+                         f"summing to the {rows} rows of {name} along dim 0")
+    return sizes
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False):
+    """torch.distributed.all_to_all_single: split ``input`` along dim 0 into one chunk per rank
+    (``input_split_sizes`` rows each, equal when None) and send chunk r to rank r; ``output``
+    receives rank r's chunk for this rank at its r-th split (``output_split_sizes``).
+
+    Uses the backend's all-to-all (NCCL, MPI and recent torch's gloo have it); a backend without
+    one gets an isend/irecv pair per other rank plus a local copy of the own chunk, same result.
+
+    Listeners see op ``"all_to_all_single"`` with nbytes = the bytes of ``input`` (the message
+    size, like the whole output of an all-gather and the whole input of a reduce-scatter; the
+    bus factor (n - 1) / n of the comms logger turns it into what goes to other ranks when the
+    splits are equal).
+    """
+    world = get_world_size(group)
+    in_splits = _splits("input", input_split_sizes, input.size(0) if input.dim() else 0, world)
+    out_splits = _splits("output", output_split_sizes, output.size(0) if output.dim() else 0, world)
+    if world == 1 and not is_initialized():
+        output.copy_(input)
+
+    def native():
+        return dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                      input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+
+    def p2p():
+        return _p2p_all_to_all(list(output.split(out_splits)), list(input.split(in_splits)), group, async_op)
+
+    return _run("all_to_all_single", _nbytes(input), lambda: _native_or_p2p(native, p2p, group), async_op, group)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
+    """torch.distributed.all_to_all: ``input_tensor_list[r]`` goes to rank r and
+    ``output_tensor_list[r]`` receives rank r's tensor for this rank; the tensors may differ in
+    shape (natively where the backend can; gloo's all-to-all takes one shape only, so other lists
+    go as point-to-point messages, as in :func:`all_to_all_single` on a backend without one).
+
+    Listeners see op ``"all_to_all"`` with nbytes = the bytes of all of ``input_tensor_list``."""
+    world = get_world_size(group)
+    if len(output_tensor_list) != world or len(input_tensor_list) != world:
+        raise ValueError(f"all_to_all: expected {world} output and input tensors (one per rank), got "
+                         f"{len(output_tensor_list)} and {len(input_tensor_list)}")
+    if world == 1 and not is_initialized():
+        output_tensor_list[0].copy_(input_tensor_list[0])
+
+    def native():
+        return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+
+    def p2p():
+        return _p2p_all_to_all(list(output_tensor_list), list(input_tensor_list), group, async_op)
+
+    def fn():
+        shapes = {tuple(t.shape) for t in (*output_tensor_list, *input_tensor_list)}
+        if len(shapes) > 1 and get_backend(group) == "gloo":  # gloo's all-to-all wants one shape for all
+            return p2p()
+        return _native_or_p2p(native, p2p, group)
+
+    return _run("all_to_all", sum(_nbytes(t) for t in input_tensor_list), fn, async_op, group)

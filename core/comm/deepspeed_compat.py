@@ -1,5 +1,6 @@
 """DeepSpeed's ``deepspeed.comm`` names beyond dsplug's own collectives (``new_group``,
-``get_world_group``, ``inference_all_reduce``, point-to-point ops, ...), re-exported by
+``get_world_group``, ``inference_all_reduce``, ``gather``, ``scatter``, ...; the point-to-point
+and all-to-all ops are the comm layer's own), re-exported by
 :mod:`dsplug.comm`. Collectives go through the comm layer's ``_run`` so listeners (the comms
 logger) see them like every other.
 """
@@ -16,9 +17,9 @@ from . import _nbytes, _run, all_gather_into_tensor, all_reduce, broadcast_objec
     is_initialized, reduce_scatter_tensor, ReduceOp
 
 __all__ = ["is_available", "get_world_group", "new_group", "get_global_rank", "get_all_ranks_from_group",
-           "monitored_barrier", "inference_all_reduce", "all_to_all_single", "gather", "scatter", "send", "recv",
-           "isend", "irecv", "broadcast_object_list", "has_all_gather_into_tensor", "has_reduce_scatter_tensor",
-           "allgather_fn", "reduce_scatter_fn", "get_local_world_size"]
+           "monitored_barrier", "inference_all_reduce", "gather", "scatter", "broadcast_object_list",
+           "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "allgather_fn", "reduce_scatter_fn",
+           "get_local_world_size"]
 
 
 def is_available() -> bool:
@@ -63,13 +64,6 @@ def inference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, asyn
     return all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-                      group=None, async_op: bool = False):
-    return _run("all_to_all", _nbytes(input),
-                lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
-                                               input_split_sizes=input_split_sizes, group=group, async_op=async_op),
-                async_op, group)
-
 
 def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False):
     return _run("gather", _nbytes(tensor) * get_world_size(group),
@@ -83,20 +77,8 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
                 async_op, group)
 
 
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-    return _run("send", _nbytes(tensor), lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False, group)
 
 
-def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0):
-    return _run("recv", _nbytes(tensor), lambda: dist.recv(tensor, src=src, group=group, tag=tag), False, group)
-
-
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-    return _run("send", _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True, group)
-
-
-def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0):
-    return _run("recv", _nbytes(tensor), lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True, group)
 
 
 def broadcast_object_list(object_list: list, src: int = 0, group=None, device=None) -> None:

@@ -18,7 +18,8 @@ DEEPSPEED_OPS = {
     "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_fn": "reduce_scatter",
     "broadcast": "broadcast", "reduce": "reduce", "barrier": "barrier", "monitored_barrier": "barrier",
-    "all_to_all_single": None, "all_to_all": None, "send": None, "recv": None, "isend": None, "irecv": None,
+    "all_to_all_single": "all_to_all_single", "all_to_all": "all_to_all", "send": "send", "recv": "recv",
+    "isend": "send", "irecv": "recv",
     "gather": None, "scatter": None,
 }
 

@@ -10,11 +10,13 @@ the latency; the bus bandwidth scales it by what each rank must move on the wire
 =======================  ===============
 all_reduce               2 (n - 1) / n
 all_gather, reduce_scatter  (n - 1) / n
+all_to_all(_single)      (n - 1) / n
 broadcast, reduce, other 1
 =======================  ===============
 
 with n the group size. The message size is the whole buffer: the output of an all-gather, the
-input of a reduce-scatter. Figures are in Gbps (10^9 bits per second), as DeepSpeed prints them.
+input of a reduce-scatter or an all-to-all. Figures are in Gbps (10^9 bits per second), as DeepSpeed
+prints them.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def bus_factor(op: str, world: int) -> float:
     n = max(1, world)
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all_single", "all_to_all"):
         return (n - 1) / n
     return 1.0
 
