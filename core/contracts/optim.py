@@ -14,6 +14,16 @@ class Optimizer(Protocol):
     ``engine.get_lr()`` reads. ``state_dict()`` / ``load_state_dict()`` must round-trip exactly
     (stage 0 saves them as they are; stages 1-3 save per-element state aligned with the
     partition, so element-wise state must be tensors shaped like the parameter).
+
+    Optional: ``communicates_gradients() -> bool`` — True when the next ``step()`` averages the
+    gradient information over the data-parallel ranks itself (1-bit Adam's compressed momentum,
+    0/1 Adam's local steps). ZeRO stage 0 asks it at the last micro-step's
+    ``before_backward(is_boundary=True)``; when True it skips its gradient all-reduce for that
+    step and hands each rank's LOCAL gradients (unscaled, clipped) to ``step()``. The overflow
+    check (fp16) still agrees over the ranks (every rank skips the same steps); gradient
+    clipping and the reported gradient norm then use this rank's local norm. The answer must be
+    the same on every rank, and must not change between that backward and the step. Absent:
+    False. Stages 1-3 never skip their reduction (such optimizers are refused there).
     """
 
     param_groups: List[Dict[str, Any]]

@@ -9,9 +9,17 @@ communication overlaps the rest of backward. Between micro-steps gradients accum
 At the step: the averaged gradients become the fp32 master gradients, are unscaled (fp16),
 checked for overflow, clipped to the global norm, and the optimizer updates the master weights,
 which are copied back into the (possibly 16-bit) model parameters.
+
+An optimizer whose ``communicates_gradients()`` is True at the last micro-step's backward (1-bit
+Adam's compression stage, see :class:`dsplug.contracts.Optimizer`) averages over the ranks
+itself: that step's gradients are not all-reduced and the optimizer gets this rank's LOCAL
+gradients. The overflow check (fp16) then agrees over the ranks (a found-inf flag all-reduced
+with MAX, so every rank skips the same steps), while gradient clipping and the reported gradient
+norm use this rank's local norm.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -67,6 +75,7 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
             predivide=kernel_config.gradient_predivide_factor, grad_of=self._grad_of, set_grad=self._set_grad,
         ) if self.world_size > 1 else None
         self._boundary = True
+        self._local_grads = False  # this step's optimizer averages over the ranks itself
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.last_grad_norm: Optional[float] = None
 
@@ -95,6 +104,9 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
             p.grad = grad.to(p.dtype)
 
     def before_backward(self, is_boundary: bool) -> None:
+        if is_boundary and self.buckets is not None:
+            self._local_grads = _communicates_gradients(self.optimizer)
+            is_boundary = not self._local_grads
         self._boundary = is_boundary
         if is_boundary and self.buckets is not None:
             self.buckets.start_round()
@@ -108,8 +120,9 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         """Apply one optimizer step; return False if an overflow skipped it."""
         grads = self._master_grads()
         # the norm costs a pass over every gradient: only when clipping or overflow checks need it
-        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, _global_norm,
-                                                        norm_always=False)
+        norm = self._agreed_local_norm if self._local_grads else _global_norm
+        self._local_grads = False
+        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, norm, norm_always=False)
         if not apply:
             self.zero_grad()
             return False
@@ -119,6 +132,18 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                 torch._foreach_copy_([p.data for p in self.params], [self.master[p] for p in self.params])
         self.zero_grad()
         return True
+
+    def _agreed_local_norm(self, grads: List[torch.Tensor]) -> float:
+        """This rank's norm; inf on every rank when any rank's is not finite (overflow checks)."""
+        norm = _global_norm(grads)
+        if self.precision.checks_overflow:
+            flag = torch.tensor([0.0 if math.isfinite(norm) else 1.0],
+                                device=grads[0].device if grads else
+                                self.context.accelerator.training_device(self.context.local_rank))
+            self.comm.all_reduce(flag, op=self.comm.ReduceOp.MAX)
+            if flag.item() > 0:
+                return float("inf")
+        return norm
 
     def _master_grads(self) -> List[torch.Tensor]:
         grads = []
@@ -253,6 +278,11 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _communicates_gradients(optimizer) -> bool:
+    ask = getattr(optimizer, "communicates_gradients", None)
+    return bool(ask()) if callable(ask) else False
 
 
 def _global_norm(grads: List[torch.Tensor]) -> float:
