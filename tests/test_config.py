@@ -228,10 +228,11 @@ def test_legacy_warning_is_emitted_through_warnings():
                for w in caught)
 
 
-def test_zeropp_keys_validate_but_refuse_when_on():
+def test_zeropp_keys_need_stage_3():
     errors = errors_of({"train_batch_size": 2, "zero_optimization": {"zero_quantized_weights": True}})
-    assert any(e == "zero_optimization.zero_quantized_weights: ZeRO++ (zero_quantized_weights) is not available "
-                    "in dsplug yet (got true); leave it at false" for e in errors), errors
+    assert any(e == "zero_optimization.zero_quantized_weights: ZeRO++ (zero_quantized_weights) needs ZeRO stage 3, "
+                    "as in DeepSpeed (zero_optimization.stage is 0, zero_quantized_weights is true); set stage 3 or "
+                    "leave it at false" for e in errors), errors
 
 
 def test_offload_param_needs_stage_3_and_known_device():

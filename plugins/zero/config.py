@@ -76,10 +76,15 @@ class ZeroConfig:
     legacy_stage1: bool = field(False, doc="DeepSpeed's older stage 1 implementation")
     memory_efficient_linear: bool = field(True, doc="stage 3: memory-efficient linear autograd function", inert='stage 3 uses the standard linear autograd function')
     use_multi_rank_bucket_allreduce: bool = field(True, doc="bucketed all-reduce across ranks", inert='buckets are reduced one collective each')
-    zero_hpz_partition_size: int = field(1, ge=1, doc="ZeRO++ hierarchical partition size (1 = off)")
-    zero_quantized_weights: bool = field(False, doc="ZeRO++ quantized weight communication")
-    zero_quantized_nontrainable_weights: bool = field(False, doc="ZeRO++ quantized frozen weights")
-    zero_quantized_gradients: bool = field(False, doc="ZeRO++ quantized gradient communication")
+    zero_hpz_partition_size: int = field(1, ge=1, doc="ZeRO++ hpZ (stage 3): ranks per group keeping a secondary "
+                                         "copy of the parameters, so backward gathers stay in the group; must "
+                                         "divide the world size (1 = off)")
+    zero_quantized_weights: bool = field(False, doc="ZeRO++ qwZ (stage 3): forward/backward parameter all-gathers "
+                                         "send int8 block-quantized weights")
+    zero_quantized_nontrainable_weights: bool = field(False, doc="ZeRO++ (stage 3): qwZ for the frozen "
+                                                      "(requires_grad=False) parameters only")
+    zero_quantized_gradients: bool = field(False, doc="ZeRO++ qgZ (stage 3): gradient reduce-scatter as an "
+                                           "all-to-all of int8 block-quantized gradients")
     mics_shard_size: int = field(-1, ge=-1, doc="MiCS shard group size (-1 = off)")
     mics_hierarchical_params_gather: bool = field(False, doc="MiCS hierarchical all-gather", inert='MiCS is not available')
     log_trace_cache_warnings: bool = field(False, doc="stage 3: warn when the module trace changes")
@@ -124,16 +129,27 @@ ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quanti
                "zero_quantized_gradients")
 
 
-def zeropp_not_available(config, report) -> None:
+def zeropp_rules(config, report) -> None:
+    """ZeRO++ (qwZ / qgZ / hpZ, :mod:`dsplug.plugins.zero.zeropp`) works at stage 3 only, as in
+    DeepSpeed; hpZ's partition size must divide the world size (when it is known here; the stage
+    checks it again against the real one)."""
     zero = config.sections.get("zero_optimization")
     if zero is None:
         return
-    for key in ZEROPP_KEYS:
-        value = getattr(zero, key)
-        default = 1 if key == "zero_hpz_partition_size" else False
-        if value != default:
-            report.error(f"zero_optimization.{key}", f"ZeRO++ ({key}) is not available in dsplug yet "
-                         f"(got {json.dumps(value)}); leave it at {json.dumps(default)}")
+    if not is_auto(zero.stage) and zero.stage != 3:
+        for key in ZEROPP_KEYS:
+            value = getattr(zero, key)
+            default = 1 if key == "zero_hpz_partition_size" else False
+            if value != default:
+                report.error(f"zero_optimization.{key}", f"ZeRO++ ({key}) needs ZeRO stage 3, as in DeepSpeed "
+                             f"(zero_optimization.stage is {zero.stage}, {key} is {json.dumps(value)}); set "
+                             f"stage 3 or leave it at {json.dumps(default)}")
+    hpz = zero.zero_hpz_partition_size
+    world = getattr(config, "world_size", None)
+    if hpz > 1 and world and world % hpz:
+        report.error("zero_optimization.zero_hpz_partition_size",
+                     f"{hpz} does not divide the world size {world}: hpZ keeps a secondary copy of the parameters "
+                     "per group of that many consecutive ranks (1 turns it off)")
     if zero.mics_shard_size != -1:
         report.error("zero_optimization.mics_shard_size", "MiCS is not available in dsplug yet; leave it at -1")
 
@@ -167,4 +183,4 @@ def zero_stage_installed(config, report) -> None:
         report.error("zero_optimization.stage", config.registry.miss_message("zero_stage", str(zero.stage)))
 
 
-RULES = (zeropp_not_available, offload_devices_installed, zero_stage_installed)
+RULES = (zeropp_rules, offload_devices_installed, zero_stage_installed)

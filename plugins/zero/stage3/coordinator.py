@@ -20,6 +20,10 @@ for the next units in the trace, as long as fewer than ``stage3_prefetch_bucket_
 elements are in flight. A pass that departs from the trace turns prefetching off and a new trace
 is recorded on the next pass.
 
+ZeRO++. The gathers started here (fetch and prefetch) run inside
+:meth:`~.partitioned_param.ParamPartitioner.computing`, so with ZeRO++ on they send int8
+block-quantized weights (qwZ) or stay inside the hpZ group (see :mod:`dsplug.plugins.zero.zeropp`).
+
 Live limit. ``stage3_max_live_parameters`` bounds the elements of gathered non-persistent
 parameters: prefetching stops short of it, and in forward a fetch that would exceed it first
 releases parameters kept for reuse (oldest first). A single unit larger than the limit is still
@@ -163,10 +167,11 @@ class ParamCoordinator:
         missing = [p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
         if evict and missing:
             self._make_room(sum(p.ds_numel for p in missing), keep={p.ds_id for p in params})
-        handles = self.partitioner.gather_async(missing)
-        if index is not None:
-            for_this = sum(p.ds_numel for p in params if p.ds_status is ZeroParamStatus.INFLIGHT)
-            self._prefetch_after(index, self.partitioner.inflight_numel - for_this)
+        with self.partitioner.computing():  # ZeRO++ applies to these gathers (see zeropp)
+            handles = self.partitioner.gather_async(missing)
+            if index is not None:
+                for_this = sum(p.ds_numel for p in params if p.ds_status is ZeroParamStatus.INFLIGHT)
+                self._prefetch_after(index, self.partitioner.inflight_numel - for_this)
         for handle in handles:
             handle.wait()
         for p in params:

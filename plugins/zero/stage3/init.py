@@ -129,7 +129,10 @@ class Init(contextlib.ContextDecorator):
                  param_swapper=None):
         """Arguments are DeepSpeed's. ``mem_efficient_linear`` is accepted and has no effect: the
         stage-3 hooks already re-gather a weight before the backward that reads it. ``pin_memory``
-        only matters for partitions kept on the host (``remote_device="cpu"`` with an accelerator)."""
+        only matters for partitions kept on the host (``remote_device="cpu"`` with an accelerator).
+        ``zero_quantized_weights`` / ``zero_quantized_nontrainable_weights`` are accepted and have no
+        effect here: Init only partitions; the engine's ``zero_optimization`` keys of the same names
+        decide how its forward / backward gathers travel (ZeRO++, :mod:`dsplug.plugins.zero.zeropp`)."""
         self.enabled = bool(enabled)
         if not self.enabled:
             return
@@ -138,13 +141,12 @@ class Init(contextlib.ContextDecorator):
         raw = _raw_config(config_dict_or_path if config_dict_or_path is not None else config)
         for name, value, what in (("mpu", mpu, "model parallelism"),
                                   ("data_parallel_group", data_parallel_group, "only the default world group"),
-                                  ("zero_param_parallel_group", zero_param_parallel_group, "ZeRO++ hpZ"),
+                                  ("zero_param_parallel_group", zero_param_parallel_group,
+                                   "ZeRO++ hpZ groups come from zero_optimization.zero_hpz_partition_size"),
                                   ("sequence_data_parallel_group", sequence_data_parallel_group, "sequence parallelism"),
                                   ("param_swapper", param_swapper, "NVMe parameter swapping")):
             if value is not None:
                 _unsupported(name, value, what)
-        if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            _unsupported("zero_quantized_weights", True, "ZeRO++ quantized weights")
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dsplug.zero.Init: dtype={dtype} is not valid; use torch.float16, torch.bfloat16 or "
                              "torch.float32")

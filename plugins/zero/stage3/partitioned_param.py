@@ -17,6 +17,13 @@ Gathers of several parameters are coalesced into one all-gather: each rank sends
 concatenated (``[A_r | B_r]``); the rank-major result ``[A_0 B_0 | A_1 B_1 | ...]`` is viewed as
 an (N, K) matrix whose column blocks are the parameters.
 
+ZeRO++ (:mod:`dsplug.plugins.zero.zeropp`): the stage sets :attr:`ParamPartitioner.wire`; the
+gathers the coordinator starts for forward / backward (inside :meth:`ParamPartitioner.computing`)
+then go through it (int8 block-quantized weights, hpZ's in-group gather from the secondary
+shard). Every other gather (``GatheredParameters``, module state dicts, persistent parameters) is
+exact, and :meth:`ParamPartitioner.fetch` re-gathers a parameter whose full value came from a
+quantized gather.
+
 The seam for offloading (ZeRO-Infinity, a separate plugin): the partition lives on
 ``partition_device`` and is brought to the compute device by :meth:`ParamPartitioner.local_piece`
 just before it is sent; its values are read with :meth:`~ParamPartitioner.read_piece` and
@@ -25,6 +32,7 @@ overrides (with ``gather_async``) when partitions live in files.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import math
@@ -71,50 +79,81 @@ def unique(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
     return out
 
 
+def start_all_gather(comm, pieces: List[torch.Tensor], world: int, dtype, device, group=None):
+    """Start one all-gather of the concatenated ``pieces`` (this rank's row) over ``group``;
+    returns ``(work, recv)`` with ``recv`` rank-major (``world`` rows)."""
+    total = sum(t.numel() for t in pieces)
+    send = pieces[0].reshape(-1) if len(pieces) == 1 else torch.cat([t.reshape(-1) for t in pieces])
+    recv = torch.empty(world * total, dtype=dtype, device=device)
+    work = comm.all_gather_into_tensor(recv, send, group=group, async_op=True) if total else None
+    return work, recv
+
+
+def split_rank_major(recv: torch.Tensor, world: int, sizes: List[int]) -> List[torch.Tensor]:
+    """The rank-major ``[A_0 B_0 | A_1 B_1 | ...]`` as one flat ``[A_0 A_1 ... | B_0 B_1 ...]`` per column."""
+    if len(sizes) == 1:
+        return [recv]
+    matrix = recv.view(world, sum(sizes))
+    fulls, offset = [], 0
+    for k in sizes:
+        full = torch.empty(world * k, dtype=recv.dtype, device=recv.device)
+        full.view(world, k).copy_(matrix[:, offset:offset + k])
+        fulls.append(full)
+        offset += k
+    return fulls
+
+
 class GatherHandle:
-    """An all-gather of several partitioned parameters of one dtype; ``wait()`` fills them in."""
+    """An all-gather of several partitioned parameters of one dtype; ``wait()`` fills them in.
+
+    Started inside :meth:`ParamPartitioner.computing` with a ZeRO++ ``wire`` set, the wire moves
+    the values instead (see :mod:`dsplug.plugins.zero.zeropp`)."""
 
     def __init__(self, partitioner: "ParamPartitioner", params: List[torch.nn.Parameter]):
         self.partitioner = partitioner
         self.params = params
-        world = partitioner.world_size
         self.sizes = [p.ds_tensor.numel() for p in params]
-        total = sum(self.sizes)
         dtype = params[0].ds_tensor.dtype
         device = partitioner.device
-        pieces = [partitioner.local_piece(p) for p in params]
-        send = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        self.recv = torch.empty(world * total, dtype=dtype, device=device)
-        self.work = partitioner.comm.all_gather_into_tensor(self.recv, send, async_op=True) if total else None
+        wire = partitioner.wire if partitioner._computing else None
+        self.op = None
+        self.quantized = [False] * len(params)
+        if wire is not None:
+            self.op = wire.start(partitioner, params)
+            self.recv, self.work = None, None
+        else:
+            pieces = [partitioner.local_piece(p) for p in params]
+            self.work, self.recv = start_all_gather(partitioner.comm, pieces, partitioner.world_size, dtype, device)
         self.done = False
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
             p._ds_handle = self
 
+    def buffers(self) -> List[torch.Tensor]:
+        """The receive buffers of the gather while it is in flight."""
+        if self.done:
+            return []
+        return list(self.op.buffer) if self.op is not None else ([self.recv] if self.recv is not None else [])
+
     def wait(self) -> None:
         if self.done:
             return
         self.done = True
-        if self.work is not None:
-            self.work.wait()
-        world = self.partitioner.world_size
-        if len(self.params) == 1:
-            fulls = [self.recv]
+        if self.op is not None:
+            fulls, self.quantized = self.op.finish()
         else:
-            matrix = self.recv.view(world, sum(self.sizes))
-            fulls, offset = [], 0
-            for k in self.sizes:
-                full = torch.empty(world * k, dtype=self.recv.dtype, device=self.recv.device)
-                full.view(world, k).copy_(matrix[:, offset:offset + k])
-                fulls.append(full)
-                offset += k
-        for p, full in zip(self.params, fulls):
+            if self.work is not None:
+                self.work.wait()
+            fulls = split_rank_major(self.recv, self.partitioner.world_size, self.sizes)
+        for p, full, quantized in zip(self.params, fulls, self.quantized):
             p.data = full[: p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
             p._ds_handle = None
+            p._ds_quantized = quantized
             if not p.ds_persist:
                 self.partitioner.inflight_numel -= p.ds_numel
         self.recv = None
+        self.op = None
 
 
 class ParamPartitioner:
@@ -138,6 +177,24 @@ class ParamPartitioner:
         self.inflight_numel = 0  # elements of the non-persistent parameters still INFLIGHT
         #: called with the parameters whose partitions were rewritten from a full value
         self.update_listeners: List[Callable[[List[torch.nn.Parameter]], None]] = []
+        #: ZeRO++: how forward / backward gathers move values (None: exact all-gathers; see zeropp)
+        self.wire = None
+        self._computing = False
+        #: bumped whenever partitions change (a step, a load): hpZ's secondary shards go stale
+        self.generation = 0
+
+    @contextlib.contextmanager
+    def computing(self):
+        """Gathers started inside are for computing (forward / backward): ZeRO++ applies to them."""
+        previous, self._computing = self._computing, True
+        try:
+            yield
+        finally:
+            self._computing = previous
+
+    def partitions_changed(self) -> None:
+        """Partitions were rewritten (optimizer step, checkpoint / state dict load, write-back)."""
+        self.generation += 1
 
     # ------------------------------------------------------------------ conversion
     def partition(self, params: Iterable[torch.nn.Parameter], broadcast_from: Optional[int] = None,
@@ -160,6 +217,7 @@ class ParamPartitioner:
             p._ds_holds = 0
             p._ds_handle = None
             p._ds_partitioner = self
+            p._ds_quantized = False
             p.ds_status = ZeroParamStatus.AVAILABLE
             self._drop_full(p)
         return todo
@@ -204,6 +262,7 @@ class ParamPartitioner:
         """Overwrite this rank's partition of ``p`` with ``piece`` (the offload seam for writes)."""
         with torch.no_grad():
             p.ds_tensor.copy_(piece)
+        self.partitions_changed()
 
     def gather_async(self, params: Iterable[torch.nn.Parameter]) -> List[GatherHandle]:
         """Start all-gathers for the parameters that are NOT_AVAILABLE (one per dtype)."""
@@ -221,8 +280,16 @@ class ParamPartitioner:
         return list(by_dtype.values())
 
     def fetch(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Make every parameter AVAILABLE (gathering, or waiting for a gather in flight)."""
+        """Make every parameter AVAILABLE with its exact value (gathering, or waiting for a gather in
+        flight; a full value that came from a ZeRO++ quantized gather is gathered again)."""
         params = list(params)
+        if self.wire is not None:
+            for p in unique(params):
+                if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+                    self.wait(p)
+                    if getattr(p, "_ds_quantized", False):
+                        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                        self._remove_live(p)
         for handle in self.gather_async(params):
             handle.wait()
         for p in params:
@@ -258,6 +325,7 @@ class ParamPartitioner:
     def _drop_full(self, p: torch.nn.Parameter) -> None:
         p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.device)
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        p._ds_quantized = False
 
     # ------------------------------------------------------------------ persistence / updates
     def make_persistent(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -283,6 +351,7 @@ class ParamPartitioner:
         with torch.no_grad():
             for p in params:
                 self.store_piece(p, piece_of(p.data, self.rank, self.world_size))
+        self.partitions_changed()
         for listener in self.update_listeners:
             listener(params)
 

@@ -9,6 +9,10 @@ rank exactly its own pieces, which are added into its gradient partitions.
 Averaging over ranks follows stage 0 (``plugins/zero/buckets.py``): ``prescale_gradients``
 divides by N before the reduction, otherwise the sum is divided by ``gradient_predivide_factor``
 before and multiplied by ``predivide / N`` after.
+
+ZeRO++ qgZ (``zero_quantized_gradients``): the same bucket goes through
+:class:`dsplug.plugins.zero.zeropp.QuantizedGradients` instead: an all-to-all of int8
+block-quantized rows, dequantized and summed in fp32 by the receiving rank.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 class GradientReducer:
     def __init__(self, comm, rank: int, world_size: int, dtype: torch.dtype, bucket_elements: int,
                  prescale: bool, predivide: float, use_reduce_scatter: bool, overlap: bool,
-                 accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None]):
+                 accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None], quantized=None):
         self.comm = comm
         self.rank = rank
         self.world_size = world_size
@@ -32,6 +36,8 @@ class GradientReducer:
         self.use_reduce_scatter = use_reduce_scatter
         self.overlap = overlap
         self.accumulate = accumulate
+        #: ZeRO++ qgZ (a zeropp.QuantizedGradients), None for the plain reduce-scatter
+        self.quantized = quantized
         self.pending: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.pending_elements = 0
         self.outstanding: list = []
@@ -56,13 +62,16 @@ class GradientReducer:
             bucket.div_(world)
         elif self.predivide != 1.0:
             bucket.div_(self.predivide)
-        if self.use_reduce_scatter:
+        finish = None
+        if self.quantized is not None:
+            work, mine, finish = self.quantized.start(bucket, sizes, async_op=self.overlap)
+        elif self.use_reduce_scatter:
             mine = torch.empty(sum(sizes), dtype=self.dtype, device=bucket.device)
             work = self.comm.reduce_scatter_tensor(mine, bucket.view(-1), async_op=self.overlap)
         else:
             work = self.comm.all_reduce(bucket, async_op=self.overlap)
             mine = bucket[self.rank]
-        self.outstanding.append((work, mine, params, sizes))
+        self.outstanding.append((work, mine, params, sizes, finish))
         if not self.overlap:
             self._complete_all()
 
@@ -72,8 +81,10 @@ class GradientReducer:
         self._complete_all()
 
     def _complete_all(self) -> None:
-        for work, mine, params, sizes in self.outstanding:
-            if work is not None:
+        for work, mine, params, sizes, finish in self.outstanding:
+            if finish is not None:
+                mine = finish()  # waits, dequantizes and sums (fp32)
+            elif work is not None:
                 work.wait()
             if not self.prescale:
                 mine.mul_(self.predivide / self.world_size)

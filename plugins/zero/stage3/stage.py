@@ -21,6 +21,11 @@ Offloading (``offload_param`` / ``offload_optimizer``): the ``offload_device`` p
 names supply the :class:`ParamPartitioner` and the partition store that replaces
 :class:`InMemoryPartitions` (where masters and optimizer state live, and the step); see
 docs/offload.md.
+
+ZeRO++ (``zero_quantized_weights`` / ``zero_quantized_nontrainable_weights`` /
+``zero_quantized_gradients`` / ``zero_hpz_partition_size``): :mod:`dsplug.plugins.zero.zeropp`
+supplies the partitioner's ``wire`` (int8 forward / backward gathers, hpZ's secondary shards) and
+the reducer's quantized all-to-all; the fp32 master and the partitions stay exact.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from dsplug.logging import log_rank0
 from .. import deepspeed_format as dsf
 from ..gradients import unscale_check_clip
 from ..stage0 import _comm_dtype
+from ..zeropp import build_zeropp, secondary_tensors
 from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
 from .coordinator import ParamCoordinator
 from .partitioned_param import ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of, unique
@@ -183,6 +189,11 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         else:
             self.partitioner = ParamPartitioner(self.comm, self.rank, self.world_size, device)
 
+        #: ZeRO++ (None when every ZeRO++ key is off); checks zero_hpz_partition_size against the world
+        self.zeropp = build_zeropp(zero_config, self.comm, self.rank, self.world_size)
+        if self.zeropp is not None:
+            self.partitioner.wire = self.zeropp.wire
+
         named = list(module.named_parameters())
         self.names: Dict[int, str] = {id(p): n for n, p in named}
         self.all_params = [p for _, p in named]
@@ -223,7 +234,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             self.comm, self.rank, self.world_size, _comm_dtype(kernel, self.accum_dtype),
             bucket_elements=zero_config.reduce_bucket_size, prescale=kernel.prescale_gradients,
             predivide=kernel.gradient_predivide_factor, use_reduce_scatter=zero_config.reduce_scatter,
-            overlap=zero_config.overlap_comm, accumulate=self._accumulate)
+            overlap=zero_config.overlap_comm, accumulate=self._accumulate,
+            quantized=self.zeropp.gradients if self.zeropp is not None else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.all_params
                        if p.requires_grad]
         self.last_grad_norm: Optional[float] = None
@@ -259,6 +271,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             self.zero_grad()
             return False
         self.store.step(self.optimizer)
+        self.partitioner.partitions_changed()
         self._partitions_from_master()
         self.zero_grad()
         return True
@@ -300,7 +313,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         ``parameters``: the partitions; ``gathered_parameters``: full values present now (persistent
         parameters, plus any gathered at the moment); ``gradients``: gradient partitions;
         ``optimizer_states``: the fp32 master partitions (when separate from the parameters) and the
-        optimizer's state; ``buffers``: gradient buckets and all-gather buffers in flight;
+        optimizer's state; ``hpz_secondary`` (ZeRO++ hpZ only): the secondary shards;
+        ``buffers``: gradient buckets and all-gather buffers in flight;
         ``total``: all but the buffers."""
         held = self.store.memory(self.optimizer, self.all_params)
         partitions = held["parameters"]
@@ -309,11 +323,13 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         grads += [p.grad for p in self.all_params if p.grad is not None]
         optim = held["optimizer_states"]
         in_flight = {id(p._ds_handle): p._ds_handle for p in self.all_params if p._ds_handle is not None}
-        buffers = [g for _, g in self.reducer.pending] + [m for _, m, _, _ in self.reducer.outstanding]
-        buffers += [h.recv for h in in_flight.values() if h.recv is not None]
+        buffers = [g for _, g in self.reducer.pending] + [o[1] for o in self.reducer.outstanding]
+        buffers += [b for h in in_flight.values() for b in h.buffers()]
         report = {"parameters": _storage_bytes(partitions), "gathered_parameters": _storage_bytes(gathered),
                   "gradients": _storage_bytes(grads), "optimizer_states": _storage_bytes(optim),
                   "buffers": _storage_bytes(buffers)}
+        if self.zeropp is not None and self.zeropp.hpz > 1:  # ZeRO++ hpZ: the secondary shards
+            report["hpz_secondary"] = _storage_bytes(secondary_tensors(self.all_params))
         report["total"] = sum(v for k, v in report.items() if k != "buffers")
         return report
 
@@ -364,6 +380,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                                                           (v.clone() if torch.is_tensor(v) else v))
                                                       for k, v in st.items()}
                     self.optimizer.param_groups[gi].update({k: v for k, v in hyper.items() if k != "params"})
+        self.partitioner.partitions_changed()
         self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
 
     def _own_pieces(self, grp: _Group, saved: dict):
@@ -498,6 +515,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                 where = self.place.get(id(target))
                 if where is not None:
                     self.groups[where[0]].set_master_piece(where[1], piece)
+        self.partitioner.partitions_changed()
         if others:
             self.module.load_state_dict(others, strict=False)
 
@@ -543,6 +561,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         with torch.no_grad(), self.store.materialized(write=True):
             self.partitioner.store_piece(param, piece)
             self.groups[where[0]].set_master_piece(where[1], piece)
+            self.partitioner.partitions_changed()
             if param.ds_status is ZeroParamStatus.AVAILABLE:
                 param.data.copy_(value)
 
@@ -589,6 +608,10 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.all_params:  # ZeRO++ hpZ's secondary shards
+            for name in ("_ds_secondary", "_ds_secondary_gen"):
+                if hasattr(p, name):
+                    delattr(p, name)
         self.store.close()
 
 
