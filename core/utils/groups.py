@@ -53,7 +53,8 @@ def _get_world_size() -> int:
 
 
 def _get_zero_param_intra_parallel_group():
-    """ZeRO++ hierarchical partitioning's group: not used (no hpZ)."""
+    """DeepSpeed's global for ZeRO++'s hpZ group: dsplug keeps that group inside its ZeRO-3 stage
+    (``zero_hpz_partition_size``), not here, so this reports none (size 1)."""
     return None
 
 
