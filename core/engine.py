@@ -184,7 +184,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
 
     # ------------------------------------------------------------------ training
     def forward(self, *inputs, **kwargs):
-        self.events.hook.dsplug_forward_begin(engine=self)
+        kwargs = events.forward_kwargs(self.events, self, kwargs)
         self.timers.start("forward")
         with self.precision.autocast():
             output = self.module(*inputs, **kwargs)

@@ -9,6 +9,7 @@ what is wrong and are re-raised unchanged.
 from __future__ import annotations
 
 import functools
+from typing import Any, Dict
 
 import pluggy
 
@@ -63,3 +64,18 @@ def _naming_failures(function, plugin: str, hook: str):
 
     call._dsplug_named = True
     return call
+
+
+def forward_kwargs(bus: pluggy.PluginManager, engine, given: Dict[str, Any]) -> Dict[str, Any]:
+    """Run ``dsplug_forward_begin`` and return the model's forward keywords: ``given`` (the
+    caller's, which win) plus those the implementations returned (each keyword from one plugin)."""
+    extra: Dict[str, Any] = {}
+    owner: Dict[str, str] = {}
+    # pluggy's call order (last registered first), one implementation at a time to know who added what
+    for impl in reversed(bus.hook.dsplug_forward_begin.get_hookimpls()):
+        for key, value in (impl.function(engine=engine) or {}).items():
+            if key in extra:
+                raise PluginHookError(f"plugins {owner[key]!r} and {impl.plugin_name!r} both add the forward keyword "
+                                      f"{key!r} (dsplug_forward_begin)", impl.plugin_name, "dsplug_forward_begin")
+            extra[key], owner[key] = value, impl.plugin_name
+    return {**extra, **given} if extra else given

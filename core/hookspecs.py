@@ -196,7 +196,13 @@ class LifecycleSpecs:
 
     @hookspec
     def dsplug_forward_begin(self, engine):
-        """A micro-step's forward pass is about to run."""
+        """A micro-step's forward pass is about to run.
+
+        May return a dict of keyword arguments the engine adds to this call of the model's
+        forward, as DeepSpeed's engine passes ``curriculum_seqlen`` (curriculum learning) or
+        ``progressive_layer_drop`` / ``pld_theta``. Keywords the caller passed win; two plugins
+        returning the same keyword is an error naming it.
+        """
 
     @hookspec
     def dsplug_forward_end(self, engine, output):
