@@ -80,9 +80,19 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.timers = StepTimers(self.accelerator, enabled=kernel.wall_clock_breakdown)
         for part in (self.counters, SchedulerState(self), self.precision, self.stage, *self.compression):
             self._join(part)
+        self._plugin_methods = events.engine_methods(self.events, self)
         self.events.hook.dsplug_engine_built.call_historic(kwargs={"engine": self})
         if kernel.dump_state:
             self.dump_state()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            methods = self.__dict__.get("_plugin_methods") or {}
+            if name in methods:
+                return methods[name]
+            raise
 
     # ------------------------------------------------------------------ construction
     def _build_selected(self, category: str, *args):

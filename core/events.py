@@ -79,3 +79,18 @@ def forward_kwargs(bus: pluggy.PluginManager, engine, given: Dict[str, Any]) -> 
                                       f"{key!r} (dsplug_forward_begin)", impl.plugin_name, "dsplug_forward_begin")
             extra[key], owner[key] = value, impl.plugin_name
     return {**extra, **given} if extra else given
+
+
+def engine_methods(bus: pluggy.PluginManager, engine) -> Dict[str, Any]:
+    """``{name: callable}`` the parts on the bus add to the engine (``dsplug_engine_methods``)."""
+    methods: Dict[str, Any] = {}
+    owner: Dict[str, str] = {}
+    for impl in reversed(bus.hook.dsplug_engine_methods.get_hookimpls()):
+        for name, method in (impl.function(engine=engine) or {}).items():
+            if name in methods or hasattr(type(engine), name):
+                other = owner.get(name, "the engine itself")
+                raise PluginHookError(f"{impl.plugin_name!r} adds the engine method {name!r}, which {other!r} "
+                                      f"already provides (dsplug_engine_methods)", impl.plugin_name,
+                                      "dsplug_engine_methods")
+            methods[name], owner[name] = method, impl.plugin_name
+    return methods

@@ -195,6 +195,14 @@ class LifecycleSpecs:
         """
 
     @hookspec
+    def dsplug_engine_methods(self, engine):
+        """Methods this part adds to the engine, as ``{name: callable}`` (called with the
+        caller's arguments): DeepSpeed engine methods that belong to a feature, e.g.
+        ``set_custom_curriculum_learning_schedule``. Collected once, after the engine is built;
+        a name the engine already has, or that two parts add, is an error naming it.
+        """
+
+    @hookspec
     def dsplug_forward_begin(self, engine):
         """A micro-step's forward pass is about to run.
 
