@@ -5,7 +5,11 @@ import json
 import warnings
 from typing import Any, Dict
 
+import typing
+
 import pytest
+
+from dsplug.config.schema import field as schema_field, schema as schema_decorator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -449,3 +453,23 @@ def test_nvme_offload_without_nvme_path_is_an_error_naming_the_key(key):
     DsplugConfig({"train_batch_size": 2, "zero_optimization": {"stage": 3, key: {"device": "nvme",
                                                                                  "nvme_path": "/local_nvme"}}},
                  world_size=1)
+
+
+@schema_decorator
+class _Inner:
+    steps: int = schema_field(1, ge=1)
+
+
+@schema_decorator
+class _Outer:
+    inner: typing.Optional[_Inner] = schema_field(None)
+
+
+def test_an_optional_nested_schema_reports_the_key_inside_it():
+    from dsplug.config.schema import ConfigError, parse
+
+    assert parse(_Outer, {"inner": None}).inner is None
+    assert parse(_Outer, {"inner": {"steps": 3}}).inner.steps == 3
+    with pytest.raises(ConfigError) as info:
+        parse(_Outer, {"inner": {"stepz": 3}}, "section")
+    assert "section.inner.stepz: unknown key; did you mean 'section.inner.steps'?" in str(info.value)

@@ -285,6 +285,7 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
         if value is None and type(None) in args:
             return None
         invalid = None
+        nested = None  # (report, result) of a schema member the object parsed into, with errors
         for arg in args:
             if arg is type(None):
                 continue
@@ -293,10 +294,15 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
                 result = _coerce(arg, value, path, probe, finite)
                 if not probe.errors:
                     return result
+                if attrs.has(arg) and isinstance(value, dict) and nested is None:
+                    nested = (probe, result)
             except _Bad:
                 continue
             except _Invalid as exc:  # right type, unusable value: say so unless another member fits
                 invalid = invalid or exc
+        if nested is not None:  # an object of the right schema with bad keys: report those keys
+            report.errors.extend(nested[0].errors)
+            return nested[1]
         if invalid is not None:
             raise invalid
         raise _Bad
