@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import json
+import typing
 import warnings
 from typing import Any, Dict
 
-import typing
-
 import pytest
-
-from dsplug.config.schema import field as schema_field, schema as schema_decorator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsplug.config.schema import field as schema_field, schema as schema_decorator
 from dsplug.config import ConfigError, DsplugConfig, DsplugDeprecationWarning, fill_auto, infer_batch, parse, to_dict
 from dsplug.config.batch import BatchError
 from dsplug.config.kernel_schema import KernelConfig
