@@ -26,8 +26,8 @@ _LAZY = {
     "get_registry": ("dsplug.registry", "get_registry"),
     "get_accelerator": ("dsplug.accelerator", "get_accelerator"),
 }
-_SUBMODULES = {"comm", "zero", "ops", "profiling", "checkpoint", "config", "accelerator", "op_builder", "utils",
-               "contracts", "testing", "runtime", "launcher"}
+_SUBMODULES = {"comm", "zero", "ops", "profiling", "checkpoint", "checkpointing", "config", "accelerator", "op_builder",
+               "utils", "contracts", "testing", "runtime", "launcher"}
 
 __all__ = ["PluginSpec", "CATEGORIES", "hookimpl", "hookspec", "__version__", *_LAZY]
 

@@ -29,12 +29,18 @@ class RepeatingLoader:
 
 
 def build_dataloader(dataset, micro_batch_size: int, world_size: int, rank: int, collate_fn=None,
-                     drop_last: bool = False, sampler=None, num_workers: int = 0, seed: int = 0) -> DataLoader:
+                     drop_last: bool = False, sampler=None, num_workers: int = 0, seed: int = 0,
+                     batch_sampler=None, pin_memory=None) -> DataLoader:
+    """``batch_sampler``: this rank's micro-batches of indices (a plugin's, see
+    ``dsplug_dataloader_options``); it replaces ``sampler`` / ``micro_batch_size`` / ``drop_last``."""
     if isinstance(dataset, DataLoader):
         return dataset
+    pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+    if batch_sampler is not None:
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers,
+                          pin_memory=pin)
     if sampler is None:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                      drop_last=drop_last)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=drop_last, num_workers=num_workers,
-                      pin_memory=torch.cuda.is_available())
+                      drop_last=drop_last, num_workers=num_workers, pin_memory=pin)

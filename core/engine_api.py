@@ -158,9 +158,19 @@ class DeepSpeedAccessors:
     # ------------------------------------------------------------------ data
     def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):
+        """A loader over ``dataset``: this rank's shard in micro-batches. Without ``data_sampler`` a
+        plugin may choose the sampling of a training loader (``dsplug_dataloader_options``)."""
+        from torch.utils.data import DataLoader
+
+        from . import events
         from .dataloader import build_dataloader
 
-        return build_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.world_size,
+        batch_size = batch_size or self.train_micro_batch_size_per_gpu()
+        options = {}
+        if data_sampler is None and route in (None, "train") and not isinstance(dataset, DataLoader):
+            options = events.dataloader_options(self.events, self, dataset, batch_size)
+        return build_dataloader(dataset, batch_size, self.world_size,
                                 self.global_rank, collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
-                                sampler=data_sampler, num_workers=num_local_io_workers or 0,
-                                seed=self.config.seed or 0)
+                                sampler=data_sampler, num_workers=options.get("num_workers", num_local_io_workers or 0),
+                                seed=self.config.seed or 0, batch_sampler=options.get("batch_sampler"),
+                                pin_memory=options.get("pin_memory"))

@@ -94,3 +94,27 @@ def engine_methods(bus: pluggy.PluginManager, engine) -> Dict[str, Any]:
                                       "dsplug_engine_methods")
             methods[name], owner[name] = method, impl.plugin_name
     return methods
+
+
+#: what a ``dsplug_dataloader_options`` answer may hold
+DATALOADER_OPTIONS = ("batch_sampler", "num_workers", "pin_memory")
+
+
+def dataloader_options(bus: pluggy.PluginManager, engine, dataset, batch_size: int) -> Dict[str, Any]:
+    """The DataLoader keywords one part returned from ``dsplug_dataloader_options`` ({} if none)."""
+    found: Dict[str, Any] = {}
+    owner = None
+    for impl in reversed(bus.hook.dsplug_dataloader_options.get_hookimpls()):
+        options = impl.function(engine=engine, dataset=dataset, batch_size=batch_size)
+        if not options:
+            continue
+        if owner is not None:
+            raise PluginHookError(f"plugins {owner!r} and {impl.plugin_name!r} both choose the training loader's "
+                                  "sampling (dsplug_dataloader_options)", impl.plugin_name, "dsplug_dataloader_options")
+        unknown = sorted(set(options) - set(DATALOADER_OPTIONS))
+        if unknown or "batch_sampler" not in options:
+            raise PluginHookError(f"{impl.plugin_name!r} returned DataLoader options {sorted(options)} from "
+                                  f"dsplug_dataloader_options; expected 'batch_sampler' and optionally "
+                                  f"{', '.join(DATALOADER_OPTIONS[1:])}", impl.plugin_name, "dsplug_dataloader_options")
+        found, owner = dict(options), impl.plugin_name
+    return found

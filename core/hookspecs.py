@@ -213,6 +213,20 @@ class LifecycleSpecs:
         """
 
     @hookspec
+    def dsplug_dataloader_options(self, engine, dataset, batch_size):
+        """``engine.deepspeed_io`` (``initialize(training_data=...)``) is building a training
+        loader over ``dataset`` (micro-batches of ``batch_size``) and the caller gave no
+        ``data_sampler``.
+
+        May return a dict of ``torch.utils.data.DataLoader`` keyword arguments that replace the
+        engine's default sampling (a ``DistributedSampler``): ``batch_sampler`` (required: an
+        iterable of this rank's micro-batches of dataset indices; it then owns shuffling,
+        sharding over ranks and the number of epochs) and optionally ``num_workers`` /
+        ``pin_memory``. DeepSpeed's data-efficiency curriculum sampler comes this way. Two
+        plugins answering is an error naming both.
+        """
+
+    @hookspec
     def dsplug_forward_end(self, engine, output):
         """A micro-step's forward pass returned ``output``."""
 

@@ -40,8 +40,6 @@ FEATURES: Dict[str, str] = {
     "pipeline": "pipeline parallelism (deepspeed.pipe: PipelineModule, PipelineEngine) is not implemented: "
                 "use ZeRO stage 3 (and offload) to fit a large model",
     "moe": "mixture-of-experts layers (deepspeed.moe) are not implemented",
-    "checkpointing": "DeepSpeed's activation checkpointing API (deepspeed.checkpointing) is not implemented: "
-                     "use torch.utils.checkpoint.checkpoint in the model",
     "autotuning": "the DeepSpeed autotuner (deepspeed.autotuning, add_tuning_arguments) is not implemented",
     "elasticity": "elastic training (deepspeed.elasticity) is not implemented",
     "linear": "DeepSpeed's LoRA / quantized linear layers (deepspeed.linear) are not implemented: use peft",
@@ -60,8 +58,6 @@ MODULES: Dict[str, str] = {
     "deepspeed.pipe": "pipeline",
     "deepspeed.runtime.pipe": "pipeline",
     "deepspeed.moe": "moe",
-    "deepspeed.checkpointing": "checkpointing",
-    "deepspeed.runtime.activation_checkpointing": "checkpointing",
     "deepspeed.autotuning": "autotuning",
     "deepspeed.elasticity": "elasticity",
     "deepspeed.linear": "linear",

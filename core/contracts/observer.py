@@ -61,11 +61,19 @@ class Monitor(Observer):
 
 
 def events_from_metrics(metrics: Mapping[str, Any]) -> List[Event]:
-    """The events of one optimizer step; metrics that are absent or None are left out."""
+    """The events of one optimizer step; metrics that are absent or None are left out.
+
+    The kernel's metrics are written under their :data:`METRIC_TAGS` tag; a metric a plugin adds
+    in ``dsplug_step_end`` under a monitor tag as its name (one containing ``/``, e.g.
+    ``Train/Samples/activation_checkpoint_ms``) is written under that name (add it from a
+    ``@hookimpl(tryfirst=True)`` implementation so that it is there before the monitors run).
+    """
     if "global_samples" not in metrics:
         raise KeyError(f"step metrics lack 'global_samples' (the x axis of every monitor); got keys {sorted(metrics)}")
     step = int(metrics["global_samples"])
-    return [(tag, _scalar(metrics[key]), step) for key, tag in METRIC_TAGS if metrics.get(key) is not None]
+    events = [(tag, _scalar(metrics[key]), step) for key, tag in METRIC_TAGS if metrics.get(key) is not None]
+    events += [(key, _scalar(value), step) for key, value in metrics.items() if "/" in key and value is not None]
+    return events
 
 
 def _scalar(value) -> float:

@@ -6,7 +6,11 @@
 * :mod:`.zero` — ``zero.config`` (the ZeRO config model) and ``zero.partition_parameters``
   (``Init``, ``GatheredParameters``, ``ZeroParamStatus`` ...), from the ZeRO plugin;
 * :mod:`.fp16` — ``fp16.loss_scaler`` (``LossScaler``, ``DynamicLossScaler``), from the
-  precision plugin.
+  precision plugin;
+* :mod:`.activation_checkpointing` — ``activation_checkpointing.checkpointing`` (the
+  ``dsplug.checkpointing`` API), from the activation checkpointing plugin;
+* :mod:`.data_pipeline` — ``data_sampling`` (``DataAnalyzer``, ``DeepSpeedDataSampler``) and
+  ``data_routing`` (random-LTD), from the data efficiency plugin.
 
 Submodules are imported on first attribute access, so ``dsplug.runtime.lr_schedules.VALID_LR_SCHEDULES``
 works right after ``import dsplug`` as ``deepspeed.runtime...`` does after ``import deepspeed``.
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = {"config", "constants", "engine", "lr_schedules", "zero", "fp16"}
+_SUBMODULES = {"config", "constants", "engine", "lr_schedules", "zero", "fp16", "activation_checkpointing",
+               "data_pipeline"}
 
 
 def __getattr__(name):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from .interrupt import EXIT_INTERRUPTED, Interrupt
-from .options import DEFAULT_STEPS, MODEL_OPTIONS, RUNS_DIR, resume_command, worker_argv
+from .options import DEFAULT_STEPS, MODEL_OPTIONS, RUNS_DIR, resolve_config_option, resume_command, worker_argv
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CLIENT_KEY = "dsplug_train"
@@ -54,6 +54,10 @@ def main(args) -> int:
     world_size = int(os.environ["WORLD_SIZE"]) if worker else args.nproc
     rank = int(os.environ.get("RANK", "0")) if worker else 0
     try:
+        try:
+            resolve_config_option(args)
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
         settings = resolve_settings(args, launched_worker=worker and world_size > 1)
         raw, where, notes = checked_config(args.config, settings, args.seed, world_size)
     except KeyboardInterrupt:
@@ -280,7 +284,8 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
             for _ in range(gas):
                 x, y = next(batches)
                 x, y = x.to(engine.device), y.to(engine.device)
-                loss = next_token_loss(engine(x), y)
+                logits = engine(x)  # fewer positions under curriculum_learning's curriculum_seqlen
+                loss = next_token_loss(logits, y[:, :logits.shape[1]])
                 engine.backward(loss)
                 engine.step()
                 step_loss += float(loss.detach()) / gas

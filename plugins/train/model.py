@@ -3,11 +3,23 @@
 Pre-LayerNorm blocks (causal self-attention, then a GELU MLP), learned position embeddings,
 and an output projection tied to the token embedding. ``forward(tokens)`` returns logits of
 shape ``(batch, time, vocab)``; :func:`generate_greedy` extends a prompt one token at a time.
+
+``forward`` also takes the keywords DeepSpeed's engine passes (all off by default, and then the
+computation is exactly the plain one):
+
+* ``curriculum_seqlen=n`` (legacy curriculum learning): only the first ``n`` tokens of each
+  sequence are used, so the logits have ``min(n, time)`` positions; score them against the
+  targets' first positions (``targets[:, :logits.shape[1]]``).
+* ``progressive_layer_drop=True, pld_theta=theta`` (progressive layer dropping), in training
+  mode only: block ``i`` of ``L`` (counted from 1) runs with probability
+  ``p_i = 1 - i / L * (1 - theta)`` (Zhang & He 2020), else it is skipped (the identity); a block
+  that runs scales its residual branches by ``1 / p_i`` (inverted stochastic depth), so that
+  evaluation runs every block unscaled. In eval mode the keywords change nothing.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,9 +73,12 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(),
                                  nn.Linear(4 * config.d_model, config.d_model))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_attn(x))
-        return x + self.mlp(self.ln_mlp(x))
+    def forward(self, x: torch.Tensor, keep_prob: float = 1.0) -> torch.Tensor:
+        if keep_prob == 1.0:
+            x = x + self.attn(self.ln_attn(x))
+            return x + self.mlp(self.ln_mlp(x))
+        x = x + self.attn(self.ln_attn(x)) / keep_prob
+        return x + self.mlp(self.ln_mlp(x)) / keep_prob
 
 
 class CharTransformer(nn.Module):
@@ -97,14 +112,27 @@ class CharTransformer(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, curriculum_seqlen: Optional[int] = None,
+                progressive_layer_drop: bool = False, pld_theta: Optional[float] = None) -> torch.Tensor:
+        if curriculum_seqlen is not None:
+            if curriculum_seqlen < 1:
+                raise ValueError(f"curriculum_seqlen must be a positive integer, got {curriculum_seqlen!r}")
+            tokens = tokens[:, :int(curriculum_seqlen)]
         time = tokens.shape[1]
         if time > self.config.seq_len:
             raise ValueError(f"input of {time} tokens is longer than the model's seq_len {self.config.seq_len}")
         positions = torch.arange(time, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
+        drop = progressive_layer_drop and self.training and pld_theta is not None
+        depth = len(self.blocks)
+        for i, block in enumerate(self.blocks, start=1):
+            if drop:
+                keep = 1.0 - i / depth * (1.0 - float(pld_theta))
+                if keep < 1.0 and float(torch.rand(())) >= keep:
+                    continue  # skipped: this block is the identity for the whole batch
+                x = block(x, keep)
+            else:
+                x = block(x)
         return self.head(self.ln_final(x))
 
 

@@ -43,12 +43,18 @@ examples:
   dsplug train --resume --steps 400             ... and extend it to step 400
   dsplug train --nproc 2                        2 processes (gloo on CPU), data sharded by rank
   dsplug train my_ds_config.json --output-dir runs/a --steps 500 --d-model 256 --layers 6
+  dsplug train --config my_ds_config.json       the same config option, DeepSpeed-style
+  A config with curriculum_learning (curriculum_type "seqlen") or progressive_layer_drop trains
+  the built-in model with them: it takes curriculum_seqlen (shorter sequences) and pld_theta.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                         help="DeepSpeed-format JSON config (default: the built-in default_config.json)")
+    parser.add_argument("--config", dest="config_file", default=None, metavar="FILE",
+                        help="the same as CONFIG, DeepSpeed-style (giving both is an error unless they name "
+                             "the same file)")
     parser.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                         help="train on N processes on this machine, started through the dsplug launcher")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="S",
@@ -80,6 +86,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # the launcher's shim hands each worker --local_rank=<n>; the rank is read from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def resolve_config_option(args: argparse.Namespace) -> None:
+    """Merge ``--config FILE`` into ``args.config`` (the positional CONFIG). Raises ValueError
+    when both are given and name different files."""
+    option = getattr(args, "config_file", None)
+    if option is None:
+        return
+    if args.config is not None and os.path.abspath(args.config) != os.path.abspath(option):
+        raise ValueError(f"the config is given twice, as CONFIG {args.config!r} and --config {option!r}; "
+                         f"give one of them")
+    args.config = option
+    args.config_file = None
 
 
 def worker_argv(args: argparse.Namespace, output_dir: str, steps: int) -> List[str]:

@@ -1,0 +1,1 @@
+"""DeepSpeed's progressive layer dropping (the ``progressive_layer_drop`` section): see :mod:`.plugin`."""
