@@ -17,6 +17,7 @@ exit status is then 130. A second Ctrl-C quits at once, without that checkpoint.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -239,6 +240,8 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
     torch.manual_seed(seed if seed is not None else 0)
     model = CharTransformer(model_config)
     engine, _, loader, _ = dsplug.initialize(model=model, training_data=dataset, config=raw_config)
+    if engine.random_ltd_enabled():  # data_efficiency.data_routing.random_ltd: token dropping in the blocks
+        _convert_blocks_to_random_ltd(engine)
     checkpoint_dir = os.path.join(settings.output_dir, CHECKPOINT_SUBDIR)
     loaded = None
     if settings.resume_tag is not None:
@@ -377,6 +380,44 @@ def _report_interrupted(settings, engine, args, checkpoint_dir, trained, loop_se
     if step >= settings.steps:
         lines.append(f"(it had reached its last step, {settings.steps}: give a larger --steps to train further)")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _convert_blocks_to_random_ltd(engine) -> None:
+    """Wrap the built-in model's blocks with random-LTD (DeepSpeed's ``convert_to_random_ltd`` on the
+    engine, which also configures them). The blocks take ``[batch, seq, d_model]``; with
+    ``hidden_state_order: seq_batch_dim`` (Megatron GPT's order, as in DeepSpeed's example) each
+    wrapper is shown ``[seq, batch, d_model]`` and its block still gets ``[batch, seq, d_model]``."""
+    from dsplug.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
+
+    from .model import Block
+
+    if engine.random_ltd_config().get("hidden_state_order") != "seq_batch_dim":
+        convert_to_random_ltd(engine, Block)
+        return
+    swap = _swap_batch_seq_class()
+    blocks = engine.module.blocks
+    for i, block in enumerate(blocks):
+        blocks[i] = swap(block)
+    convert_to_random_ltd(engine, swap)  # wraps exactly those (in module order)
+    for i, wrapped in enumerate(blocks):
+        blocks[i] = swap(wrapped)
+
+
+@functools.lru_cache(maxsize=None)
+def _swap_batch_seq_class():
+    from torch import nn
+
+    class SwapBatchSeq(nn.Module):
+        """Runs ``layer`` with the first two dims of the hidden states swapped (and swaps back)."""
+
+        def __init__(self, layer: nn.Module):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x, *args, **kwargs):
+            return self.layer(x.transpose(0, 1), *args, **kwargs).transpose(0, 1)
+
+    return SwapBatchSeq
 
 
 def _close_quietly(engine) -> None:
