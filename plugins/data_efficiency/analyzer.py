@@ -55,10 +55,10 @@ class DataAnalyzer:
                  custom_map_finalize=None, custom_reduce=None, sample_indices=None,
                  start_method: Optional[str] = None):
         if any(f is not None for f in (custom_map_init, custom_map_update, custom_map_finalize, custom_reduce)):
-            raise NotImplementedError("DataAnalyzer: custom_map_* / custom_reduce are not supported in dsplug; "
+            raise ValueError("DataAnalyzer: custom_map_* / custom_reduce are not available in dsplug; "
                                       "express the metric as a metric_function")
         if sample_indices is not None:
-            raise NotImplementedError("DataAnalyzer: sample_indices is not supported in dsplug; samples are "
+            raise ValueError("DataAnalyzer: sample_indices is not available in dsplug; samples are "
                                       "numbered by their position in the dataset")
         n = len(metric_names)
         if not n or not (len(metric_functions) == len(metric_types) == len(metric_dtypes) == n):

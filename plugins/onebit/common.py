@@ -33,6 +33,8 @@ kernel, else the multi-tensor formula), so those steps are bit-identical to ``Ad
 """
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import Dict, List, Sequence
 
@@ -76,7 +78,7 @@ def scaling_coefficients(tensors: Sequence[torch.Tensor]) -> List[float]:
     return [united / r if r > 0 and united > 0 else 1.0 for r in rms]
 
 
-class OneBitOptimizer(torch.optim.Optimizer):
+class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base of OnebitAdam, ZeroOneAdam and OnebitLamb.
 
     ``comm`` / ``rank`` / ``world_size`` / ``group``: the data-parallel group (the factory takes
@@ -115,10 +117,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @abc.abstractmethod
     def communicates_gradients(self) -> bool:
         """True when the next ``step()`` averages the gradient information over the ranks itself
-        (see :class:`dsplug.contracts.Optimizer`)."""
-        raise NotImplementedError
+        (see :class:`dsplug.contracts.Optimizer`); each optimizer answers from its schedule."""
 
     def ranks_diverge(self) -> bool:
         """True while parameters and ``LOCAL_KEYS`` state differ between ranks."""
