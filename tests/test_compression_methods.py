@@ -415,3 +415,42 @@ def test_zero_stages_over_two_processes_train_like_one_process(stage, dtype_key,
     if dtype_key is None:  # in bf16 near-ties of scores rank differently from the 1-process run
         agreement = sum(torch.equal(results[0][1][n], want_masks[n]) for n in want_masks) / len(want_masks)
         assert agreement >= 0.75, "most masks should match the single-process run exactly"
+
+
+def test_compressing_again_with_other_settings_is_an_error_naming_the_layer():
+    section = {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
+               "different_groups": {"sp": group(["attn.proj"], dense_ratio=0.5)}}
+    model = init_compression(lm(), config({"sparse_pruning": section}))
+    dsplug.initialize(model=model, config=config({"sparse_pruning": section}))  # the same settings: adopted
+    section["different_groups"]["sp"]["params"]["dense_ratio"] = 0.2
+    with pytest.raises(CompressionConfigError, match=r"'blocks\.0\.attn\.proj': the layer already has sparse_pruning "
+                                                     r"with \(method, dense_ratio, num_heads\) = \('l1', 0\.5, 0\)"):
+        dsplug.initialize(model=model, config=config({"sparse_pruning": section}))
+
+
+def test_a_tied_weight_is_quantized_once():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8, bias=False)
+            self.b = torch.nn.Linear(8, 8, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    section = {"shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
+                                     "fp16_mixed_quantize": {"enabled": True, "quantize_change_ratio": 0.5}},
+               "different_groups": {"wq": group(["a", "b"], start_bits=4, target_bits=4)}}
+    cfg = config({"weight_quantization": section})
+    torch.manual_seed(0)
+    model = init_compression(Tied(), cfg)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+        original = model.a.weight.detach().clone()
+    cleaned = redundancy_clean(model, cfg)
+    mixed = 0.5 * original + 0.5 * reference_quantize(original, 4, 1, True).float()
+    torch.testing.assert_close(cleaned.a.weight.detach(), mixed)
+    with torch.no_grad():
+        torch.testing.assert_close(cleaned(x), want)

@@ -10,7 +10,9 @@ from ..hookspecs import hookimpl
 class CompressionMethod(abc.ABC):
     """What a ``compression`` factory returns: one method under ``compression_training``.
 
-    Built by the engine at initialize, in config order, from ``factory(section, context)``:
+    Built by the engine at initialize from ``factory(section, context)`` (None: disabled), in order
+    of ``PluginSpec.priority`` (highest first; layer reduction runs before the layer methods), then
+    config order:
 
     1. :meth:`compress` transforms the model before the ZeRO stage wraps it (wrap or replace
        modules). Keep the existing ``nn.Parameter`` objects where you can: an optimizer or

@@ -34,6 +34,19 @@ STATIC_RANGE_MOMENTUM = 0.95
 PRUNING_KINDS = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
 
 
+class CompressionConfigError(ValueError):
+    """A compression setting that does not fit the model (a pattern matching nothing, a bad shape)."""
+
+
+def check_same(what: str, existing, wanted, names: str) -> None:
+    """A layer compressed before (init_compression, an earlier initialize) keeps its settings:
+    a config asking for others is an error, not a silent keep."""
+    if tuple(existing) != tuple(wanted):
+        raise CompressionConfigError(f"the layer already has {what} with ({names}) = {tuple(existing)} from an earlier "
+                                     f"init_compression / initialize; this config asks for {tuple(wanted)}. Build the "
+                                     f"model again to compress it differently")
+
+
 class WeightQuant:
     """Weight quantization state of one layer (set by the ``weight_quantization`` method)."""
 
@@ -93,19 +106,28 @@ class CompressedLayer:
 
     # -- what each method attaches
     def add_pruning(self, kind: str, method: str, dense_ratio: float, num_heads: int = 0) -> Pruning:
-        if kind in self.pruning:
-            return self.pruning[kind]  # init_compression already attached it (the engine compresses again)
+        if kind in self.pruning:  # init_compression already attached it (the engine compresses again)
+            existing = self.pruning[kind]
+            check_same(kind, (existing.method, existing.dense_ratio, existing.num_heads),
+                       (method, dense_ratio, num_heads), "method, dense_ratio, num_heads")
+            return existing
         size = self.mask_shape(kind, num_heads)
         self.register_buffer(f"{kind}_mask", torch.ones(size, dtype=torch.float32, device=self.weight.device))
         if method == "topk":
-            with torch.no_grad():
+            from .method import gathered  # ZeRO stage 3 (zero.Init): the scores start from the whole weight
+
+            with torch.no_grad(), gathered([self.weight]):
                 scores = self.initial_scores(kind, num_heads)
             self.register_parameter(f"{kind}_scores", nn.Parameter(scores.to(self.weight.dtype)))
         state = self.pruning[kind] = Pruning(kind, method, dense_ratio, num_heads)
         return state
 
     def add_activation_quant(self, bits: int, symmetric: bool, dynamic: bool) -> ActivationQuant:
-        if self.activation_quant is None:
+        if self.activation_quant is not None:
+            quant = self.activation_quant
+            check_same("activation_quantization", (quant.bits, quant.symmetric, quant.dynamic),
+                       (bits, symmetric, dynamic), "bits, symmetric, dynamic range")
+        else:
             self.activation_quant = ActivationQuant(bits, symmetric, dynamic)
             self.register_buffer("activation_range", torch.zeros(2, dtype=torch.float32, device=self.weight.device))
             self.register_buffer("activation_range_seen", torch.zeros((), dtype=torch.bool,
@@ -113,10 +135,11 @@ class CompressedLayer:
         return self.activation_quant
 
     def mask_shape(self, kind: str, num_heads: int):
+        shape = tuple(getattr(self.weight, "ds_shape", self.weight.shape))  # ZeRO-3: the whole weight's
         if kind == "sparse_pruning":
-            return tuple(self.weight.shape)
+            return shape
         if kind in ("row_pruning", "channel_pruning"):
-            return (self.weight.shape[0],)
+            return (shape[0],)
         if kind == "head_pruning":
             return (num_heads,)
         raise ValueError(f"unknown pruning kind {kind!r} (known: {', '.join(PRUNING_KINDS)})")
@@ -180,6 +203,8 @@ class CompressedLayer:
             return x
         if quant.dynamic:  # per token (per row of the last dimension)
             return quant_ops.fake_quantize_rows(x, quant.bits, symmetric=quant.symmetric)
+        if self.activation_range.dtype != torch.float32:  # the engine cast the model to bf16 / fp16
+            self.activation_range = self.activation_range.float()  # keep the moving average in fp32
         if self.training:
             with torch.no_grad():
                 batch = torch.stack([x.detach().min(), x.detach().max()]).float()

@@ -126,7 +126,10 @@ class ScheduledMethod(CompressionMethod):
                 related = [n for n, _ in selection.related(model, name, patterns, f"{gpath}.related_modules")]
                 layer = compressed(module)
                 target = Target(name, layer, group_name, group, related)
-                self.attach(target)
+                try:
+                    self.attach(target)
+                except selection.CompressionConfigError as exc:
+                    raise selection.CompressionConfigError(f"{gpath}: {name!r}: {exc}") from None
                 self.targets.append(target)
         self.apply_schedule(self.step, starting=True)
         # redundancy_clean finds the method (its step, its targets) on the model

@@ -16,11 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .layers import COMPRESSIBLE
-
-
-class CompressionConfigError(ValueError):
-    """A compression setting that does not fit the model (a pattern matching nothing, a bad shape)."""
+from .layers import COMPRESSIBLE, CompressionConfigError  # noqa: F401 (re-exported)
 
 
 def candidates(model: nn.Module, kinds=COMPRESSIBLE) -> Dict[str, nn.Module]:

@@ -26,7 +26,7 @@ from dsplug import PluginSpec, hookimpl
 
 from . import quantize as quant_ops
 from .config import WeightQuantizationConfig
-from .layers import WeightQuant, make_plain
+from .layers import WeightQuant, check_same, make_plain
 from .method import ScheduledMethod, Target, gathered, is_partitioned
 from .selection import CompressionConfigError
 
@@ -40,6 +40,15 @@ def bits_at(step: int, offset: int, start_bits: int, target_bits: int, period: i
 
 def mix_ratio_at(step: int, offset: int, change_ratio: float) -> float:
     return min(1.0, change_ratio * (step - offset + 1))
+
+
+def unique_weights(targets):
+    """The targets with one entry per weight tensor (a tied weight is quantized once)."""
+    seen = set()
+    for target in targets:
+        if id(target.layer.weight) not in seen:
+            seen.add(id(target.layer.weight))
+            yield target
 
 
 class WeightQuantization(ScheduledMethod):
@@ -58,17 +67,23 @@ class WeightQuantization(ScheduledMethod):
     def attach(self, target: Target) -> None:
         shared = self.shared
         weight = target.layer.weight
-        if weight.numel() and weight.numel() % shared.quantize_groups:
+        numel = int(getattr(weight, "ds_numel", weight.numel()))  # ZeRO-3: the whole weight's
+        if numel % shared.quantize_groups:
             raise CompressionConfigError(
                 f"{self.path}.shared_parameters.quantize_groups: {shared.quantize_groups} does not divide the "
-                f"{weight.numel()} weights of {target.name!r} {tuple(weight.shape)}")
+                f"{numel} weights of {target.name!r} {tuple(getattr(weight, 'ds_shape', weight.shape))}")
         generator = None
         if shared.rounding == "stochastic":  # the same stream on every rank: seeded from the layer's name
             generator = torch.Generator().manual_seed(zlib.crc32(target.name.encode()))
-        if target.layer.weight_quant is None:
-            target.layer.weight_quant = WeightQuant(shared.quantize_groups, shared.quantization_type == "symmetric",
-                                                    shared.rounding == "stochastic",
-                                                    shared.quantize_weight_in_forward, generator)
+        settings = (shared.quantize_groups, shared.quantization_type == "symmetric", shared.rounding == "stochastic",
+                    shared.quantize_weight_in_forward)
+        existing = target.layer.weight_quant
+        if existing is None:
+            target.layer.weight_quant = WeightQuant(*settings, generator)
+        else:
+            check_same("weight_quantization", (existing.groups, existing.symmetric, existing.stochastic,
+                                               existing.in_forward), settings,
+                       "quantize_groups, symmetric, stochastic, quantize_weight_in_forward")
 
     def apply_schedule(self, step: int, starting: bool = False, resumed: bool = False) -> None:
         shared = self.shared
@@ -87,12 +102,12 @@ class WeightQuantization(ScheduledMethod):
             for name, bits in changed:
                 print(f"[dsplug] weight_quantization step {step}: {name} -> "
                       f"{'full precision' if bits is None else f'{bits} bits'}", flush=True)
-        if not shared.quantize_weight_in_forward and not resumed:
+        if not shared.quantize_weight_in_forward:  # after a resume too: the loaded weights may be the master's
             self.quantize_weights_in_place()
 
     def quantize_weights_in_place(self) -> None:
         """quantize_weight_in_forward false: the low-precision weights become ``Q(w)``."""
-        for target in self.targets:
+        for target in unique_weights(self.targets):
             quant = target.layer.weight_quant
             if quant.bits is None:
                 continue
@@ -115,7 +130,7 @@ class WeightQuantization(ScheduledMethod):
 
     def clean(self, model):
         """Bake the quantized weights in (nearest rounding at the current bit width)."""
-        for target in self.targets:
+        for target in unique_weights(self.targets):
             layer = target.layer
             quant = layer.weight_quant
             if quant is None:
