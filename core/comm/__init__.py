@@ -10,6 +10,7 @@ a dead or stopped rank makes it raise :class:`CommError` naming that rank and th
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import sys
@@ -79,9 +80,21 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                             timeout=timeout)
     faults.created(timeout)
     faults.record_peers()
+    atexit.register(_destroy_at_exit)
     accel = get_accelerator()
     if accel.device_count() > 1 or accel.name != "cpu":
         accel.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(1, accel.device_count()))
+
+
+def _destroy_at_exit() -> None:
+    """The group dsplug created is destroyed while Python still runs (torch asks for it before
+    exit): left to interpreter teardown, the group and its store can be torn down out of order and
+    abort the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; a failed teardown must not mask the exit status
+            pass
 
 
 def planned_world_size(dist_init_required: Optional[bool] = None) -> int:
