@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -43,21 +42,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _builtin_lm import builtin_lm_config  # noqa: E402
+
 
 # ------------------------------------------------------------------------------ configs
 def base_config(args) -> Dict[str, Any]:
     """The built-in ``dsplug train`` config without its monitors, filled in for this run."""
-    from dsplug.plugins.train.job_config import auto_warmup_steps, builtin_config_text
-
-    raw = json.loads(builtin_config_text())
-    for section in ("csv_monitor", "tensorboard"):
-        raw.pop(section, None)
-    raw["train_micro_batch_size_per_gpu"] = args.micro_batch
-    raw["seed"] = args.seed
-    raw["steps_per_print"] = 10 ** 9
-    params = raw["scheduler"]["params"]
-    params["total_num_steps"] = args.steps
-    params["warmup_num_steps"] = auto_warmup_steps(args.steps)
+    raw = builtin_lm_config(args.micro_batch, args.seed, args.steps)
     return raw
 
 

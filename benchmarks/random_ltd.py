@@ -25,7 +25,7 @@ tokens the blocks ran on (summed over blocks and steps, from each wrapper's ``re
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 import time
@@ -33,21 +33,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _builtin_lm import builtin_lm_config  # noqa: E402
+
 BASELINE = "no random-LTD"
 
 
 def base_config(args) -> Dict[str, Any]:
-    from dsplug.plugins.train.job_config import auto_warmup_steps, builtin_config_text
-
-    raw = json.loads(builtin_config_text())
-    for section in ("csv_monitor", "tensorboard"):
-        raw.pop(section, None)
-    raw["train_micro_batch_size_per_gpu"] = args.micro_batch
-    raw["seed"] = args.seed
-    raw["steps_per_print"] = 10 ** 9
-    params = raw["scheduler"]["params"]
-    params["total_num_steps"] = args.steps
-    params["warmup_num_steps"] = auto_warmup_steps(args.steps)
+    """The built-in ``dsplug train`` config without its monitors, filled in for this run."""
+    raw = builtin_lm_config(args.micro_batch, args.seed, args.steps)
     return raw
 
 
