@@ -11,18 +11,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                config_params=None):
     """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
+    ``mpu``: a model-parallel unit (DeepSpeed's six ``get_{model,data}_parallel_{rank,group,world_size}``
+    methods, e.g. Megatron's): data-parallel reductions, ZeRO partitions, the batch arithmetic and
+    the data loader use its data-parallel group, and checkpoints are written per model-parallel slice.
+
     The config comes from ``config`` (path, dict or JSON text), ``config_params`` (a dict, the older
     name), or ``args.deepspeed_config`` (from :func:`add_config_arguments`).
     """
     from .engine import Engine
 
-    if mpu is not None:
-        raise ValueError("dsplug.initialize: model parallelism (mpu=) is not available in dsplug yet; "
-                         "pass mpu=None for data parallelism")
     source = _config_source(args, config, config_params)
     engine = Engine(model=model, config=source, optimizer=optimizer, model_parameters=model_parameters,
                     training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
-                    dist_init_required=dist_init_required)
+                    dist_init_required=dist_init_required, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

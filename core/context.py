@@ -12,8 +12,11 @@ class BuildContext:
 
     config:      the parsed :class:`dsplug.config.DsplugConfig` (None in standalone use)
     accelerator: the :class:`dsplug.accelerator.Accelerator` in use
-    comm:        the :mod:`dsplug.comm` layer (all collectives go through it)
+    comm:        the :mod:`dsplug.comm` layer bound to the data-parallel group (all collectives go
+                 through it): the module itself without model parallelism, else a
+                 :class:`dsplug.comm.bound.GroupComm` whose ranks are data-parallel ranks
     rank / world_size / local_rank: this process's place in the data-parallel group
+    mp_rank / mp_world_size: its model-parallel slice (``initialize(mpu=...)``; 0 / 1 without)
     model:       the user's ``torch.nn.Module`` (None when not known yet)
     registry:    the :class:`dsplug.registry.Registry` the engine was built from
     """
@@ -24,6 +27,8 @@ class BuildContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    mp_rank: int = 0
+    mp_world_size: int = 1
     model: Optional[Any] = None
     registry: Any = None
 

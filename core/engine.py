@@ -28,6 +28,7 @@ from .engine_checkpoint import EngineCounters, SchedulerState, load_checkpoint, 
 from .logging import log_rank0
 from .registry import get_registry
 from .timers import StepTimers
+from .utils import groups
 
 #: param-group key linking the engine's groups back to a client optimizer's own groups
 CLIENT_GROUP_INDEX = "_dsplug_client_group"
@@ -38,28 +39,33 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, config, optimizer=None, model_parameters=None,
                  training_data=None, lr_scheduler=None, collate_fn=None, dist_init_required=None,
-                 registry=None, auto_values: Optional[Dict[str, Any]] = None):
+                 registry=None, auto_values: Optional[Dict[str, Any]] = None, mpu=None):
         super().__init__()
         if model is None:
             raise ValueError("dsplug.initialize: model is required (a torch.nn.Module)")
         self.registry = registry or get_registry()
         # the config first (at the world size the group will have): its comm_timeout_s is the
         # timeout the group is created with (or re-applied to a group made before the engine)
+        groups.set_mpu(mpu)  # the data-parallel group is the mpu's (the world without one)
         self.config = config if isinstance(config, DsplugConfig) else DsplugConfig(
-            config, world_size=comm.planned_world_size(dist_init_required), registry=self.registry,
+            config, world_size=groups._get_data_parallel_world_size() if mpu is not None else
+            comm.planned_world_size(dist_init_required), registry=self.registry,
             auto_values=auto_values, hidden_size=model_hidden_size(model), strict_auto=True)
         kernel = self.config.kernel
         comm.init_distributed(dist_init_required=dist_init_required, verbose=False, timeout=kernel.comm_timeout_s)
-        self.world_size = comm.get_world_size()
+        self.world_size = groups._get_data_parallel_world_size()  # DeepSpeed's dp_world_size
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
+        self.mpu = mpu
         if kernel.seed is not None:
             torch.manual_seed(kernel.seed)
         self.accelerator = get_accelerator(self.registry)
         self.device = self.accelerator.training_device(self.local_rank)
-        self.context = BuildContext(config=self.config, accelerator=self.accelerator, comm=comm,
-                                    rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
-                                    model=model, registry=self.registry)
+        self.context = BuildContext(config=self.config, accelerator=self.accelerator, comm=groups.data_parallel_comm(),
+                                    rank=groups._get_data_parallel_rank(), world_size=self.world_size,
+                                    local_rank=self.local_rank, mp_rank=groups._get_model_parallel_rank(),
+                                    mp_world_size=groups._get_model_parallel_world_size(), model=model,
+                                    registry=self.registry)
         self.precision = self._build_selected("precision")
         self.events = self._build_event_bus()  # before any collective, so loggers see them all
         self.compression = self._build_compression()
@@ -104,9 +110,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if self.precision.model_dtype not in (None, torch.float32):
             self.module.to(self.precision.model_dtype)
         if self.world_size > 1:
-            with torch.no_grad():
-                for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                    comm.broadcast(tensor.data, src=0)
+            groups.broadcast_module_state(self.module, self.context.comm)
 
     def _build_stage(self, model, param_groups, client_optimizer):
         previous = stage_of(model)

@@ -169,8 +169,8 @@ class DeepSpeedAccessors:
         options = {}
         if data_sampler is None and route in (None, "train") and not isinstance(dataset, DataLoader):
             options = events.dataloader_options(self.events, self, dataset, batch_size)
-        return build_dataloader(dataset, batch_size, self.world_size,
-                                self.global_rank, collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
+        return build_dataloader(dataset, batch_size, self.world_size,  # the data-parallel place
+                                self.context.rank, collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
                                 sampler=data_sampler, num_workers=options.get("num_workers", num_local_io_workers or 0),
                                 seed=self.config.seed or 0, batch_sampler=options.get("batch_sampler"),
                                 pin_memory=options.get("pin_memory"))

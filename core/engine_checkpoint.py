@@ -115,22 +115,26 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     shared = collect(engine, "model", options)  # every rank: contributions may be collectives
     own = collect(engine, "rank", options)
 
+    dp_rank, mp_rank = engine.context.rank, engine.context.mp_rank
+    model_file = ckpt.model_file(mp_rank)
+
     def write_files():
         files = {}
-        if rank0:
+        if dp_rank == 0:  # one shared file per model-parallel slice (rank 0 without model parallelism)
             client = dict(client_state or {})
             # the client's keys also at the top level, where DeepSpeed keeps them (the same
             # objects: pickled once); a key the checkpoint itself uses stays under client_state only
             top = {k: v for k, v in client.items() if isinstance(k, str) and k not in shared and k not in ENGINE_KEYS}
-            files[ckpt.MODEL_FILE] = ckpt.atomic_save(
+            files[model_file] = ckpt.atomic_save(
                 {**top, **shared, "client_state": client, "world_size": engine.world_size,
-                 "ds_config": engine.config.to_dict(), "dsplug_version": _version()},
-                os.path.join(staging, ckpt.MODEL_FILE))
-        rank = engine.global_rank
-        files[ckpt.optim_file(rank)] = ckpt.atomic_save({**own, "rank": rank, "world_size": engine.world_size},
-                                                        os.path.join(staging, ckpt.optim_file(rank)))
-        files[ckpt.rng_file(rank)] = ckpt.atomic_save(ckpt.rng_state(engine.accelerator),
-                                                      os.path.join(staging, ckpt.rng_file(rank)))
+                 "mp_world_size": engine.context.mp_world_size, "ds_config": engine.config.to_dict(),
+                 "dsplug_version": _version()},
+                os.path.join(staging, model_file))
+        optim = ckpt.optim_file(dp_rank, mp_rank)
+        files[optim] = ckpt.atomic_save({**own, "rank": dp_rank, "world_size": engine.world_size},
+                                        os.path.join(staging, optim))
+        rng = ckpt.rng_file(engine.global_rank)
+        files[rng] = ckpt.atomic_save(ckpt.rng_state(engine.accelerator), os.path.join(staging, rng))
         return files
 
     written = _on_every_rank("writing", write_files, gather=True)
@@ -167,8 +171,12 @@ def load_checkpoint(engine, load_dir, tag=None, **flags):
     weights_only = engine.config.checkpoint.weights_only
     options = LoadOptions(**flags)
 
+    dp_rank, mp_rank = engine.context.rank, engine.context.mp_rank
+    model_file = ckpt.model_file(mp_rank)
+
     def read_rank(rank: int) -> dict:
-        return ckpt.load_file(os.path.join(path, ckpt.optim_file(rank)), weights_only)
+        """The file of data-parallel rank ``rank`` of this rank's model-parallel slice."""
+        return ckpt.load_file(os.path.join(path, ckpt.optim_file(rank, mp_rank)), weights_only)
 
     def read_own_files():
         # every rank reads (and verifies) its files before any part loads, so a bad file on one
@@ -183,10 +191,15 @@ def load_checkpoint(engine, load_dir, tag=None, **flags):
                 return {}
             return reader()
 
-        shared = read(ckpt.MODEL_FILE, lambda: ckpt.load_file(os.path.join(path, ckpt.MODEL_FILE), weights_only))
+        shared = read(model_file, lambda: ckpt.load_file(os.path.join(path, model_file), weights_only))
+        saved_mp = int(shared.get("mp_world_size", 1))
+        if saved_mp != engine.context.mp_world_size:
+            raise ckpt.CheckpointError(f"{path} was saved with {saved_mp} model-parallel slice(s), this run has "
+                                       f"{engine.context.mp_world_size}; load it with the same model parallelism")
         saved_world = int(shared.get("world_size", 1))
-        own_rank = min(engine.global_rank, saved_world - 1)
-        own = {} if options.load_module_only else read(ckpt.optim_file(own_rank), lambda: read_rank(own_rank))
+        own_rank = min(dp_rank, saved_world - 1)
+        own = {} if options.load_module_only else read(ckpt.optim_file(own_rank, mp_rank),
+                                                       lambda: read_rank(own_rank))
         rng_path = os.path.join(path, ckpt.rng_file(engine.global_rank))
         rng = ckpt.load_file(rng_path, weights_only) if not options.load_module_only and os.path.exists(rng_path) \
             else None

@@ -36,8 +36,14 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def optim_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file(rank: int, mp_rank: int = 0) -> str:
+    """The file of data-parallel rank ``rank`` of model-parallel slice ``mp_rank``."""
+    return f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def model_file(mp_rank: int = 0) -> str:
+    """The shared (module, counters, client state) file of model-parallel slice ``mp_rank``."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def rng_file(rank: int) -> str:

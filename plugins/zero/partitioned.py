@@ -37,6 +37,7 @@ from . import deepspeed_format as dsf
 from .gradients import unscale_check_clip
 from .optimizer_check import check_elementwise
 from .partition import FlatGroup, gather_partitions, round_robin_order
+from .buckets import refuse_expert_parameters
 from .reducer import GradientReducer
 from .stage0 import _comm_dtype
 from .zero_to_fp32 import merge_partitions
@@ -60,6 +61,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.zero_config = zero_config
         self.clip = float(kernel_config.gradient_clipping or 0.0)
         _refuse_unimplemented(zero_config, stage)
+        refuse_expert_parameters(param_groups, stage)
         self.ignore_unused = bool(getattr(zero_config, "ignore_unused_parameters", True))
         self.load_from_fp32_weights = bool(getattr(zero_config, "load_from_fp32_weights", True))
         self.grad_hooks = stage == 2 or bool(getattr(zero_config, "grad_hooks", True))

@@ -27,7 +27,7 @@ import torch
 from dsplug.contracts import ZeroStage
 
 from . import deepspeed_format as dsf
-from .buckets import GradientBuckets
+from .buckets import GradientBuckets, expert_domains
 from .gradients import unscale_check_clip
 
 
@@ -69,15 +69,18 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.accum_dtype = accum
         self.accumulators: Dict[torch.nn.Parameter, torch.Tensor] = {}
         comm_dtype = _comm_dtype(kernel_config, accum)
-        self.buckets = GradientBuckets(
-            self.params, bucket_elements=_bucket_elements(zero_config), comm=self.comm, world_size=self.world_size,
+        self.buckets = BucketSets([GradientBuckets(
+            params, bucket_elements=_bucket_elements(zero_config), comm=self.comm, world_size=self.world_size,
             dtype=comm_dtype, prescale=kernel_config.prescale_gradients,
             predivide=kernel_config.gradient_predivide_factor, grad_of=self._grad_of, set_grad=self._set_grad,
-        ) if self.world_size > 1 else None
+            group=None if name is None else _expert_data_parallel_group(name),
+        ) for name, params in expert_domains(self.params).items()]) if self.world_size > 1 else None
         self._boundary = True
         self._local_grads = False  # this step's optimizer averages over the ranks itself
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.last_grad_norm: Optional[float] = None
+        #: MoE expert parameters present: the optimizer state differs between ranks
+        self.holds_experts = any(name is not None for name in expert_domains(self.params))
 
     # ------------------------------------------------------------------ backward
     def _needs_accumulator(self, p) -> bool:
@@ -175,6 +178,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     # ------------------------------------------------------------------ checkpoint hooks
     def _ds_rank_state(self) -> dict:
+        if self.holds_experts:  # ranks differ (their experts): each rank's file holds its own state
+            return {"zero_stage": 0, **self.state_dict()}
         return {"zero_stage": 0, "optimizer_in_model_file": True}
 
     def _ds_rank_keys(self, engine, state, options) -> dict:
@@ -278,6 +283,31 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class BucketSets:
+    """The bucket sets of the reduction domains (dense, then each expert group) driven as one."""
+
+    def __init__(self, sets: List[GradientBuckets]):
+        self.sets = sets
+
+    def start_round(self) -> None:
+        for s in self.sets:
+            s.start_round()
+
+    def mark_ready(self, p) -> None:
+        for s in self.sets:
+            s.mark_ready(p)
+
+    def finish_round(self) -> None:
+        for s in self.sets:
+            s.finish_round()
+
+
+def _expert_data_parallel_group(name: str):
+    from dsplug.utils import groups
+
+    return groups._get_expert_data_parallel_group(name)
 
 
 def _communicates_gradients(optimizer) -> bool:

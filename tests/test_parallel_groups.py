@@ -1,0 +1,242 @@
+"""Process groups: a user's model-parallel unit (``initialize(mpu=...)``), expert groups, and the
+data-parallel reductions of the ZeRO stages inside them.
+
+4 real processes over gloo: model-parallel slices {0,1} and {2,3} (Megatron's layout: consecutive
+ranks), data-parallel groups {0,2} and {1,3}. Each slice trains its own model (seeded by its
+model-parallel rank), so a reduction that leaked across slices would show; the reference is a
+plain torch loop per slice on the concatenated batches of that slice's data-parallel ranks.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsplug.comm.bound import GroupComm
+from dsplug.utils import groups
+
+from .dist_harness import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+MP = 2
+STEPS = 3
+LR = 0.05
+
+
+class ToyMpu:
+    """The six methods DeepSpeed asks of a model-parallel unit (``mp`` consecutive ranks per slice)."""
+
+    def __init__(self, mp: int):
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.mp, self.rank = mp, rank
+        self.mp_groups = [dist.new_group(list(range(s, s + mp))) for s in range(0, world, mp)]
+        self.dp_groups = [dist.new_group(list(range(i, world, mp))) for i in range(mp)]
+        self.world = world
+
+    def get_model_parallel_rank(self):
+        return self.rank % self.mp
+
+    def get_model_parallel_world_size(self):
+        return self.mp
+
+    def get_model_parallel_group(self):
+        return self.mp_groups[self.rank // self.mp]
+
+    def get_data_parallel_rank(self):
+        return self.rank // self.mp
+
+    def get_data_parallel_world_size(self):
+        return self.world // self.mp
+
+    def get_data_parallel_group(self):
+        return self.dp_groups[self.rank % self.mp]
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batch(step: int, dp_rank: int):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage}}
+
+
+def _reference(mp_rank: int, dp_world: int):
+    model = _model(100 + mp_rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(STEPS):
+        xs, ys = zip(*[_batch(step, r) for r in range(dp_world)])
+        loss = torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_with_mpu(stage: int, save_dir: str):
+    import dsplug
+
+    dsplug.init_distributed()
+    mpu = ToyMpu(MP)
+    engine, *_ = dsplug.initialize(model=_model(100 + mpu.get_model_parallel_rank()), config=_config(stage), mpu=mpu)
+    assert engine.world_size == 2 and engine.context.rank == mpu.get_data_parallel_rank()
+    assert groups._get_data_parallel_group() is mpu.get_data_parallel_group()
+    for step in range(STEPS - 1):
+        x, y = _batch(step, mpu.get_data_parallel_rank())
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    # a fresh engine resumes the last step from the checkpoint
+    fresh, *_ = dsplug.initialize(model=_model(7), config=_config(stage), mpu=mpu)
+    fresh.load_checkpoint(save_dir, tag="t")
+    x, y = _batch(STEPS - 1, mpu.get_data_parallel_rank())
+    fresh.backward(torch.nn.functional.mse_loss(fresh(x), y))
+    fresh.step()
+    params = [p.detach().clone() for p in fresh.module.parameters()]
+    files = sorted(os.listdir(os.path.join(save_dir, "t")))
+    groups.set_mpu(None)
+    return mpu.get_model_parallel_rank(), params, files
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_mpu_data_parallel_reductions_stay_inside_each_slice(stage, tmp_path):
+    results = run_distributed(_train_with_mpu, 4, stage, str(tmp_path))
+    for mp_rank, params, files in results:
+        for got, want in zip(params, _reference(mp_rank, dp_world=2)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(results[0][1][0], results[1][1][0])  # the slices hold different models
+    files = results[0][2]
+    assert "mp_rank_00_model_states.pt" in files and "mp_rank_01_model_states.pt" in files
+    for dp in range(2):
+        for mp in range(2):
+            assert f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt" in files
+
+
+def test_mpu_without_the_six_methods_is_refused():
+    class Half:
+        def get_data_parallel_group(self):
+            return None
+
+    with pytest.raises(TypeError, match="get_model_parallel_rank"):
+        groups.set_mpu(Half())
+    assert groups.get_mpu() is None
+
+
+# --------------------------------------------------------------------------- expert groups
+@pytest.mark.parametrize("world,ep,expected_ep,expected_edp", [
+    (4, 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    (4, 4, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    (4, 1, [[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+    (8, 4, [[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]]),
+])
+def test_expert_layout(world, ep, expected_ep, expected_edp):
+    assert groups.expert_layout(list(range(world)), ep) == (expected_ep, expected_edp)
+
+
+def test_expert_layout_data_before_expert():
+    assert groups.expert_layout(list(range(4)), 2, use_data_before_expert_parallel_=True) == \
+        ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+
+
+def test_expert_size_must_divide_the_data_parallel_world():
+    with pytest.raises(ValueError, match=r"expert parallel size 3 must divide .* 4 \(valid: \[1, 2, 4\]\)"):
+        groups.expert_layout(list(range(4)), 3)
+
+
+def test_unknown_expert_group_names_what_exists():
+    with pytest.raises(KeyError, match="ep_size_8"):
+        groups._get_expert_parallel_group("ep_size_8")
+
+
+class ExpertToy(torch.nn.Module):
+    """A dense layer plus one 'expert' per rank that only this rank's tokens reach when ep = world
+    (no all-to-all needed for the reduction test): with allreduce=False its gradient must be
+    reduced in the expert-data-parallel group only."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(6, 4)
+        self.expert = torch.nn.Linear(4, 1)
+        self.expert.weight.allreduce = False
+        self.expert.weight.group_name = "ep_size_2"
+        self.expert.bias.allreduce = False
+        self.expert.bias.group_name = "ep_size_2"
+
+    def forward(self, x):
+        return self.expert(torch.tanh(self.dense(x)))
+
+
+def _train_expert_toy():
+    import dsplug
+
+    dsplug.init_distributed()
+    groups._create_expert_and_data_parallel(2)
+    rank = dsplug.comm.get_rank()
+    torch.manual_seed(0)
+    model = ExpertToy()
+    with torch.no_grad():  # each expert-parallel rank holds a different expert
+        model.expert.weight.fill_(0.1 * (rank % 2 + 1))
+        model.expert.bias.fill_(0.0)
+    cfg = _config(0)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+    engine, *_ = dsplug.initialize(model=model, config=cfg)
+    x, _ = _batch(0, rank)
+    engine.backward(engine(x).sum())
+    engine.step()
+    groups._reset_for_tests()
+    return rank, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_stage0_reduces_expert_gradients_in_the_expert_data_parallel_group():
+    """4 ranks, ep 2: experts {0,2} are copies of one expert, {1,3} of the other. The SGD step
+    (lr 1) moves each expert by minus the sum of its two holders' gradients over 4 (the
+    data-parallel world), the dense layer by minus the mean over all 4 ranks."""
+    results = dict(run_distributed(_train_expert_toy, 4))
+    torch.manual_seed(0)
+    base = ExpertToy()
+    dense_grads, expert_grads = [], {}
+    for rank in range(4):
+        model = ExpertToy()
+        model.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            model.expert.weight.fill_(0.1 * (rank % 2 + 1))
+            model.expert.bias.fill_(0.0)
+        x, _ = _batch(0, rank)
+        model(x).sum().backward()
+        dense_grads.append([model.dense.weight.grad, model.dense.bias.grad])
+        expert_grads.setdefault(rank % 2, []).append([model.expert.weight.grad, model.expert.bias.grad])
+    for rank, params in results.items():
+        want_dense = [base.dense.weight - sum(g[0] for g in dense_grads) / 4,
+                      base.dense.bias - sum(g[1] for g in dense_grads) / 4]
+        torch.testing.assert_close(params["dense.weight"], want_dense[0])
+        torch.testing.assert_close(params["dense.bias"], want_dense[1])
+        held = expert_grads[rank % 2]
+        start = torch.full_like(base.expert.weight, 0.1 * (rank % 2 + 1))
+        torch.testing.assert_close(params["expert.weight"], start - (held[0][0] + held[1][0]) / 4)
+        torch.testing.assert_close(params["expert.bias"], -(held[0][1] + held[1][1]) / 4)
+
+
+def test_group_comm_translates_group_ranks():
+    bound = GroupComm(None, group="g", ranks=[1, 3])
+    assert bound.global_rank(1) == 3 and bound.group_rank(1) == 0
+    assert bound.get_world_size() == 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_expert_parameters_beyond_stage0_are_refused_naming_the_stage(stage):
+    import dsplug
+
+    cfg = _config(stage)
+    with pytest.raises(ValueError, match=f"zero_optimization.stage={stage}: the model has 2 MoE expert"):
+        dsplug.initialize(model=ExpertToy(), config=cfg)
