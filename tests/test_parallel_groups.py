@@ -177,7 +177,7 @@ class ExpertToy(torch.nn.Module):
         return self.expert(torch.tanh(self.dense(x)))
 
 
-def _train_expert_toy():
+def _train_expert_toy(stage: int, tag_dir: str):
     import dsplug
 
     dsplug.init_distributed()
@@ -188,21 +188,36 @@ def _train_expert_toy():
     with torch.no_grad():  # each expert-parallel rank holds a different expert
         model.expert.weight.fill_(0.1 * (rank % 2 + 1))
         model.expert.bias.fill_(0.0)
-    cfg = _config(0)
+    cfg = _config(stage)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
-    engine, *_ = dsplug.initialize(model=model, config=cfg)
+    cfg["zero_allow_untested_optimizer"] = True
+    # stages 1-2 partition experts in their own param group (DeepSpeed's requirement too)
+    param_groups = [{"params": list(model.dense.parameters())},
+                    {"params": list(model.expert.parameters()), "moe": True, "name": "ep_size_2"}]
+    engine, *_ = dsplug.initialize(model=model, config=cfg, model_parameters=param_groups)
     x, _ = _batch(0, rank)
     engine.backward(engine(x).sum())
     engine.step()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    full = engine.stage.full_fp32_param(model.expert.weight)  # assembled in the expert-data-parallel group
+    engine.save_checkpoint(tag_dir, tag="moe")
+    fresh_model = ExpertToy()
+    fresh, *_ = dsplug.initialize(model=fresh_model, config=cfg,
+                                  model_parameters=[{"params": list(fresh_model.dense.parameters())},
+                                                    {"params": list(fresh_model.expert.parameters()), "moe": True}])
+    fresh.load_checkpoint(tag_dir, tag="moe")
+    reloaded = {n: p.detach().clone() for n, p in fresh_model.named_parameters()}
     groups._reset_for_tests()
-    return rank, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return rank, after, full, reloaded
 
 
-def test_stage0_reduces_expert_gradients_in_the_expert_data_parallel_group():
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_expert_gradients_are_reduced_in_the_expert_data_parallel_group(stage, tmp_path):
     """4 ranks, ep 2: experts {0,2} are copies of one expert, {1,3} of the other. The SGD step
     (lr 1) moves each expert by minus the sum of its two holders' gradients over 4 (the
-    data-parallel world), the dense layer by minus the mean over all 4 ranks."""
-    results = dict(run_distributed(_train_expert_toy, 4))
+    data-parallel world), the dense layer by minus the mean over all 4 ranks; a checkpoint
+    reloads each rank's own expert."""
+    results = {r: rest for r, *rest in run_distributed(_train_expert_toy, 4, stage, str(tmp_path))}
     torch.manual_seed(0)
     base = ExpertToy()
     dense_grads, expert_grads = [], {}
@@ -216,15 +231,31 @@ def test_stage0_reduces_expert_gradients_in_the_expert_data_parallel_group():
         model(x).sum().backward()
         dense_grads.append([model.dense.weight.grad, model.dense.bias.grad])
         expert_grads.setdefault(rank % 2, []).append([model.expert.weight.grad, model.expert.bias.grad])
-    for rank, params in results.items():
-        want_dense = [base.dense.weight - sum(g[0] for g in dense_grads) / 4,
-                      base.dense.bias - sum(g[1] for g in dense_grads) / 4]
-        torch.testing.assert_close(params["dense.weight"], want_dense[0])
-        torch.testing.assert_close(params["dense.bias"], want_dense[1])
+    for rank, (params, full, reloaded) in results.items():
+        torch.testing.assert_close(params["dense.weight"], base.dense.weight - sum(g[0] for g in dense_grads) / 4)
+        torch.testing.assert_close(params["dense.bias"], base.dense.bias - sum(g[1] for g in dense_grads) / 4)
         held = expert_grads[rank % 2]
         start = torch.full_like(base.expert.weight, 0.1 * (rank % 2 + 1))
         torch.testing.assert_close(params["expert.weight"], start - (held[0][0] + held[1][0]) / 4)
         torch.testing.assert_close(params["expert.bias"], -(held[0][1] + held[1][1]) / 4)
+        torch.testing.assert_close(full, params["expert.weight"])
+        for name, value in params.items():
+            torch.testing.assert_close(reloaded[name], value)
+
+
+def test_stage3_refuses_expert_parameters():
+    import dsplug
+
+    with pytest.raises(ValueError, match="zero_optimization.stage=3: the model has 2 MoE expert"):
+        dsplug.initialize(model=ExpertToy(), config=_config(3))
+
+
+def test_a_param_group_mixing_experts_and_dense_parameters_is_refused_at_stage1():
+    import dsplug
+
+    with pytest.raises(ValueError, match="param group 0 mixes MoE expert parameters .*expert.weight.*"
+                                         "split_params_into_different_moe_groups_for_optimizer"):
+        dsplug.initialize(model=ExpertToy(), config=_config(1))
 
 
 def test_group_comm_translates_group_ranks():
@@ -232,11 +263,3 @@ def test_group_comm_translates_group_ranks():
     assert bound.global_rank(1) == 3 and bound.group_rank(1) == 0
     assert bound.get_world_size() == 2
 
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_expert_parameters_beyond_stage0_are_refused_naming_the_stage(stage):
-    import dsplug
-
-    cfg = _config(stage)
-    with pytest.raises(ValueError, match=f"zero_optimization.stage={stage}: the model has 2 MoE expert"):
-        dsplug.initialize(model=ExpertToy(), config=cfg)

@@ -275,6 +275,14 @@ def _get_expert_data_parallel_ranks(group_name: str) -> List[int]:
     return list(_lookup(_expert_data_parallel, group_name, "expert-data-parallel")[1])
 
 
+def expert_data_parallel_comm(group_name: str):
+    """The comm layer bound to this rank's expert-data-parallel group ``group_name`` (see
+    :func:`data_parallel_comm`)."""
+    from ..comm.bound import GroupComm
+
+    return GroupComm(comm, _get_expert_data_parallel_group(group_name), _get_expert_data_parallel_ranks(group_name))
+
+
 def _get_expert_data_parallel_world_size(group_name: str) -> int:
     return len(_lookup(_expert_data_parallel, group_name, "expert-data-parallel")[1])
 

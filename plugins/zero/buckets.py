@@ -124,9 +124,9 @@ def expert_domains(params: List[torch.nn.Parameter]) -> Dict[Optional[str], List
 
 
 def refuse_expert_parameters(param_groups, stage: int) -> None:
-    """Stages 1-3 partition every parameter over the whole data-parallel group; MoE expert
+    """Stage 3 partitions every parameter over the whole data-parallel group; MoE expert
     parameters (``allreduce=False``) differ between the ranks of an expert-parallel group, so they
-    need partitions over their expert-data-parallel group, which dsplug builds at stage 0 only."""
+    need partitions over their expert-data-parallel group, which dsplug builds at stages 0-2."""
     experts = [p for g in param_groups for p in g["params"] if not getattr(p, "allreduce", True)]
     if experts:
         name = getattr(experts[0], "group_name", "?")

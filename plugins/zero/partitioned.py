@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
+import attrs
 import torch
 
 from dsplug.checkpoint import CheckpointError
@@ -37,10 +38,38 @@ from . import deepspeed_format as dsf
 from .gradients import unscale_check_clip
 from .optimizer_check import check_elementwise
 from .partition import FlatGroup, gather_partitions, round_robin_order
-from .buckets import refuse_expert_parameters
-from .reducer import GradientReducer
+from .buckets import expert_domains
+from .reducer import GradientReducer, ReducerSet
 from .stage0 import _comm_dtype
 from .zero_to_fp32 import merge_partitions
+
+
+@attrs.define(frozen=True)
+class Domain:
+    """Where a param group is partitioned and reduced: ``name`` None = the data-parallel group,
+    else a MoE expert group's expert-data-parallel group; ``comm`` bound to it."""
+
+    name: Optional[str]
+    comm: object
+    rank: int
+    world_size: int
+
+
+def _domain_of(group: dict, gi: int, names, stage) -> Domain:
+    domains = expert_domains(list(group["params"]))
+    if len(domains) > 1:
+        experts = [names[p] for name, ps in domains.items() if name is not None for p in ps]
+        raise ValueError(f"ZeRO stage {stage.stage}: param group {gi} mixes MoE expert parameters ({', '.join(experts[:3])}"
+                         f"{' ...' if len(experts) > 3 else ''}) with dense ones; give the optimizer separate groups "
+                         "(dsplug.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups)), as "
+                         "DeepSpeed requires")
+    name = next(iter(domains))
+    if name is None:
+        return Domain(None, stage.comm, stage.rank, stage.world_size)
+    from dsplug.utils import groups
+
+    bound = groups.expert_data_parallel_comm(name)
+    return Domain(name, bound, bound.get_rank(), bound.get_world_size())
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -61,7 +90,6 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.zero_config = zero_config
         self.clip = float(kernel_config.gradient_clipping or 0.0)
         _refuse_unimplemented(zero_config, stage)
-        refuse_expert_parameters(param_groups, stage)
         self.ignore_unused = bool(getattr(zero_config, "ignore_unused_parameters", True))
         self.load_from_fp32_weights = bool(getattr(zero_config, "load_from_fp32_weights", True))
         self.grad_hooks = stage == 2 or bool(getattr(zero_config, "grad_hooks", True))
@@ -71,12 +99,15 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
 
         names = {p: n for n, p in module.named_parameters()}
         _check_groups(param_groups, names, stage)
+        #: per param group: where it is partitioned (the data-parallel group, or a MoE expert group's
+        #: expert-data-parallel group: see plugins/zero/buckets.py expert_domains)
+        self.domains: List[Domain] = [_domain_of(g, gi, names, self) for gi, g in enumerate(param_groups)]
         self.groups: List[FlatGroup] = []
-        for gi, g in enumerate(param_groups):
+        for gi, (g, domain) in enumerate(zip(param_groups, self.domains)):
             params = list(g["params"])
             if getattr(zero_config, "round_robin_gradients", False):
-                params = round_robin_order(params, self.world_size)
-            self.groups.append(FlatGroup(gi, params, [names[p] for p in params], self.world_size, self.rank,
+                params = round_robin_order(params, domain.world_size)
+            self.groups.append(FlatGroup(gi, params, [names[p] for p in params], domain.world_size, domain.rank,
                                          precision.model_dtype, params[0].device))
         self.params = [p for g in self.groups for p in g.params]
 
@@ -104,20 +135,32 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.accumulators: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self._trainable = set(self.params)
         backward_order = [p for p in reversed(list(module.parameters())) if p in self._trainable]
-        self.reducer = GradientReducer(
-            self.groups, backward_order, max(1, int(getattr(zero_config, "reduce_bucket_size", 5 * 10 ** 8))),
-            self.comm, self.rank, self.world_size, _comm_dtype(kernel_config, self.accum_dtype),
-            self.groups[0].buffer.device, prescale=kernel_config.prescale_gradients,
-            predivide=kernel_config.gradient_predivide_factor,
-            reduce_scatter=bool(getattr(zero_config, "reduce_scatter", True)),
-            overlap=bool(getattr(zero_config, "overlap_comm", False)),
-            contiguous=bool(getattr(zero_config, "contiguous_gradients", True)),
-            grad_of=self._grad_of, release=self._release, deliver=self._deliver)
+        reducers = []
+        for domain, groups in self._by_domain():
+            members = {p for g in groups for p in g.params}
+            reducers.append(GradientReducer(
+                groups, [p for p in backward_order if p in members],
+                max(1, int(getattr(zero_config, "reduce_bucket_size", 5 * 10 ** 8))),
+                domain.comm, domain.rank, domain.world_size, _comm_dtype(kernel_config, self.accum_dtype),
+                self.groups[0].buffer.device, prescale=kernel_config.prescale_gradients,
+                predivide=kernel_config.gradient_predivide_factor,
+                reduce_scatter=bool(getattr(zero_config, "reduce_scatter", True)),
+                overlap=bool(getattr(zero_config, "overlap_comm", False)),
+                contiguous=bool(getattr(zero_config, "contiguous_gradients", True)),
+                grad_of=self._grad_of, release=self._release, deliver=self._deliver, divisor=self.world_size))
+        self.reducer = reducers[0] if len(reducers) == 1 else ReducerSet(reducers)
         self._boundary = True
         self._unreduced = False  # stage 1: accumulated gradients not reduced yet
         self._accumulating = False  # the gradient partitions hold a backward pass's values
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.last_grad_norm: Optional[float] = None
+
+    def _by_domain(self):
+        """[(domain, its flat groups)] in first-appearance order (the data-parallel one first)."""
+        out: Dict[Optional[str], tuple] = {}
+        for domain, group in zip(self.domains, self.groups):
+            out.setdefault(domain.name, (domain, []))[1].append(group)
+        return list(out.values())
 
     # ------------------------------------------------------------------ backward
     def _grad_of(self, p) -> Optional[torch.Tensor]:
@@ -138,7 +181,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
             group = self.groups[gi]
             part = self.partition_grads[gi] = torch.empty(group.partition_numel, dtype=self.accum_dtype,
                                                           device=values.device)
-            part[max(0, group.numel - self.rank * group.partition_numel):].zero_()  # padding
+            part[max(0, group.numel - group.rank * group.partition_numel):].zero_()  # padding
         target = part[start:start + values.numel()]
         if self._accumulating:
             target.add_(values)
@@ -214,8 +257,9 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
             if self.separate_master and not written:
                 for group, master in zip(self.groups, self.opt_params):
                     group.local.copy_(master)
-            if self.world_size > 1:
-                gather_partitions(self.groups, self.comm, self.allgather_elements, self.use_broadcast)
+            for domain, groups in self._by_domain():
+                if domain.world_size > 1:
+                    gather_partitions(groups, domain.comm, self.allgather_elements, self.use_broadcast)
         self.zero_grad()
         return True
 
@@ -279,6 +323,11 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         if self._same_partitioning(state):
             slices = [self._slice_of_saved_group(g) for g in state["groups"]]
         else:
+            if any(d.name is not None for d in self.domains):
+                raise CheckpointError(f"the checkpoint was saved by {state['world_size']} data-parallel ranks and this "
+                                      f"run has {self.world_size}; ZeRO stage {self.stage} partitions of MoE expert "
+                                      "parameters reload at the same data-parallel world size only (or pass "
+                                      "load_module_only=True for the weights)")
             if read_rank is None:
                 raise CheckpointError(f"the checkpoint was saved with {state['world_size']} ranks ({state['layout']} "
                                       f"layout); re-slicing it for {self.world_size} needs every rank's file")
@@ -293,6 +342,9 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
                         group.local.copy_(target)
                 else:
                     target.copy_(group.local)  # master := the module's (possibly 16-bit) weights
+            for domain, groups in self._by_domain():  # the module file holds rank 0's experts only:
+                if domain.name is not None and domain.world_size > 1:  # this rank's come from its partitions
+                    gather_partitions(groups, domain.comm, self.allgather_elements, self.use_broadcast)
         if load_optimizer_states and self.optimizer is not None:
             states, groups, index = {}, [], 0
             for gi, (current, (_, elementwise, scalars, hyper)) in enumerate(zip(self.optimizer.param_groups, slices)):
@@ -332,7 +384,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def _slice_of_merged_group(self, gi: int, merged):
         group = self.groups[gi]
-        lo, hi = self.rank * group.partition_numel, (self.rank + 1) * group.partition_numel
+        lo, hi = group.rank * group.partition_numel, (group.rank + 1) * group.partition_numel
         fp32 = group.flatten(merged.fp32)[lo:hi]
         elementwise = {key: group.flatten(per_name, dtype=next(iter(per_name.values())).dtype)[lo:hi].clone()
                        for key, per_name in merged.state.items()}
@@ -385,7 +437,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         """``(offset in the parameter, start in this rank's partition, length)`` of this rank's pieces."""
         offset, out = 0, []
         for owner, start, length in group.pieces(param):
-            if owner == self.rank:
+            if owner == group.rank:
                 out.append((offset, start, length))
             offset += length
         return out
@@ -395,8 +447,9 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         full = torch.zeros(param.numel(), dtype=torch.float32, device=group.buffer.device)
         for offset, start, length in self._own_pieces(group, param):
             full[offset:offset + length].copy_(read(start, length))
-        if self.world_size > 1:
-            self.comm.all_reduce(full)
+        domain = self.domains[group.index]
+        if domain.world_size > 1:
+            domain.comm.all_reduce(full)
         return full.view(param.shape)
 
     def _scatter(self, group: FlatGroup, param, value: torch.Tensor, write) -> None:

@@ -92,16 +92,20 @@ class GradientReducer:
     release(p):  drop ``p``'s gradient once it is in a bucket buffer
     deliver(group_index, start, values): hand ``values`` to this rank's gradient partition of that
         group at ``start``; every element of the partition is delivered exactly once per round
+    divisor: the sums are divided by it (default ``world_size``)
     """
 
     def __init__(self, groups: List[FlatGroup], order: Sequence[torch.nn.Parameter], bucket_elements: int, comm,
                  rank: int, world_size: int, dtype: torch.dtype, device, *, prescale: bool, predivide: float,
                  reduce_scatter: bool, overlap: bool, contiguous: bool, grad_of: Callable, release: Callable,
-                 deliver: Callable):
+                 deliver: Callable, divisor: Optional[int] = None):
         self.group_of = {p: g for g in groups for p in g.params}
         self.buckets = make_buckets(order, self.group_of, bucket_elements)
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self.comm, self.rank, self.world_size = comm, rank, world_size
+        #: what the sums are divided by: the world size, or for MoE expert parameters (reduced in
+        #: their expert-data-parallel group) the data-parallel world size
+        self.divisor = divisor or world_size
         self.dtype, self.device = dtype, device
         self.prescale, self.predivide = prescale, float(predivide)
         self.reduce_scatter, self.overlap, self.contiguous = reduce_scatter, overlap, contiguous
@@ -219,6 +223,8 @@ class GradientReducer:
             return
         group = self.group_of[p]
         flat = grad.reshape(-1)
+        if self.divisor != 1:  # an expert group of one rank under a larger data-parallel world
+            flat = flat / self.divisor
         offset = 0
         for _, start, length in group.pieces(p):
             self.deliver(group.index, start, flat[offset:offset + length])
@@ -242,7 +248,7 @@ class GradientReducer:
             if p not in self.filled[index]:
                 self._copy_in(index, p)  # no gradient this round: zeros
         if self.prescale:
-            buf.div_(self.world_size)
+            buf.div_(self.divisor)
         elif self.predivide != 1.0:
             buf.div_(self.predivide)
         if self.reduce_scatter:
@@ -259,7 +265,7 @@ class GradientReducer:
         for work in works:
             if work is not None:
                 work.wait()
-        post = 1.0 if self.prescale else self.predivide / self.world_size
+        post = 1.0 if self.prescale else self.predivide / self.divisor
         for gi, start, offset, length in self.buckets[index].owned.get(self.rank, []):
             values = buf[offset:offset + length]
             if post != 1.0:
@@ -274,3 +280,32 @@ class GradientReducer:
         """Bytes of bucket buffers held now (the preallocated pool, or buffers in flight)."""
         held = list(self.pool) if self.contiguous else [buf for _, _, buf in self.in_flight]
         return sum(t.numel() * t.element_size() for t in held)
+
+
+class ReducerSet:
+    """The reducers of several reduction domains (the data-parallel group, each MoE expert-data-
+    parallel group) driven as one: a parameter goes to the reducer of its domain."""
+
+    def __init__(self, reducers: List[GradientReducer]):
+        self.reducers = reducers
+        self.of = {p: r for r in reducers for p in r.group_of}
+
+    def on_grad(self, p) -> None:
+        self.of[p].on_grad(p)
+
+    def backward_params(self) -> List[torch.nn.Parameter]:
+        return [p for r in self.reducers for p in r.backward_params()]
+
+    def missing(self) -> List[torch.nn.Parameter]:
+        return [p for r in self.reducers for p in r.missing()]
+
+    def start_round(self) -> None:
+        for r in self.reducers:
+            r.start_round()
+
+    def finish_round(self) -> None:
+        for r in self.reducers:
+            r.finish_round()
+
+    def buffer_bytes(self) -> int:
+        return sum(r.buffer_bytes() for r in self.reducers)

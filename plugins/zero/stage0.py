@@ -178,8 +178,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     # ------------------------------------------------------------------ checkpoint hooks
     def _ds_rank_state(self) -> dict:
-        if self.holds_experts:  # ranks differ (their experts): each rank's file holds its own state
-            return {"zero_stage": 0, **self.state_dict()}
+        if self.holds_experts:  # ranks differ (their experts): each rank's file holds its own state and experts
+            return {"zero_stage": 0, **self.state_dict(), "expert_params": [p.detach() for p in self._experts()]}
         return {"zero_stage": 0, "optimizer_in_model_file": True}
 
     def _ds_rank_keys(self, engine, state, options) -> dict:
@@ -207,6 +207,11 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                 "consolidate it with `dsplug zero-to-fp32`)")
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
+        experts = state.get("expert_params")
+        if experts is not None and self.holds_experts:  # the shared file holds rank 0's experts only
+            with torch.no_grad():
+                for p, value in zip(self._experts(), experts):
+                    p.copy_(value)
         if self.master:
             saved = state.get("master_weights")
             with torch.no_grad():
@@ -215,6 +220,9 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                 if saved is not None:
                     for p, w in zip(self.params, saved):
                         self.master[p].copy_(w)
+
+    def _experts(self) -> List[torch.nn.Parameter]:
+        return [p for p in self.params if not getattr(p, "allreduce", True)]
 
     def module_state_dict(self) -> dict:
         """The full module state (every rank holds it whole at stage 0)."""
