@@ -576,3 +576,22 @@ def test_partition_stepped_in_chunks_equals_reference_and_round_trips(monkeypatc
     (whole,) = fresh.optimizer.param_groups[0]["params"]
     assert torch.equal(fresh.optimizer.state[whole]["exp_avg_sq"], saved["state"]["exp_avg_sq"])
     assert torch.equal(whole, saved["fp32"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_breakdown_counts_what_one_rank_holds(stage):
+    """fp32 AdamW on one rank, measured after backward: 4 B per parameter each for the weights
+    and the gradients, 8 B of optimizer state (exp_avg, exp_avg_sq) after a first step -- the
+    formula of docs/zero-stages.md at world size 1 (nothing to partition)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    numel = sum(p.numel() for p in model.parameters())
+    engine, *_ = dsplug.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage}})
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        memory = engine.stage.memory_breakdown()
+        engine.step()
+    assert memory["parameters"] == 4 * numel and memory["gradients"] == 4 * numel
+    assert 8 * numel <= memory["optimizer_states"] <= 8 * numel + 64  # + per-tensor step counters
+    assert memory["total"] == memory["parameters"] + memory["gradients"] + memory["optimizer_states"]

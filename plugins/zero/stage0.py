@@ -221,6 +221,22 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                     for p, w in zip(self.params, saved):
                         self.master[p].copy_(w)
 
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds now: every parameter, gradient (and accumulator), fp32 master and
+        optimizer state whole (stage 0 replicates them), and the gradient bucket buffers."""
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        trained = set(self.params)
+        params = sum(nbytes(p) for p in self.module.parameters())
+        grads = sum(nbytes(p.grad) for p in trained) + sum(nbytes(t) for t in self.accumulators.values())
+        optim = sum(nbytes(m) for m in self.master.values())
+        for state in self.optimizer.state.values():
+            optim += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        buffers = sum(nbytes(b) for s in self.buckets.sets for b in s.buffers) if self.buckets is not None else 0
+        return {"parameters": params, "gradients": grads, "optimizer_states": optim, "buffers": buffers,
+                "total": params + grads + optim}
+
     def _experts(self) -> List[torch.nn.Parameter]:
         return [p for p in self.params if not getattr(p, "allreduce", True)]
 
