@@ -217,3 +217,44 @@ def test_comms_logger_knows_the_new_ops():
     assert bus_factor("send", 4) == bus_factor("recv", 4) == 1.0
     assert {DEEPSPEED_OPS[n] for n in ("send", "isend", "recv", "irecv", "all_to_all_single", "all_to_all")} == \
         {"send", "recv", "all_to_all_single", "all_to_all"}
+
+
+# --------------------------------------------------------------------------- gloo reduce-scatter (ring)
+def _reduce_scatter_run():
+    comm.init_distributed()
+    world, rank = comm.get_world_size(), comm.get_rank()
+    seen = []
+
+    class Listener:
+        @staticmethod
+        def record(op, nbytes, latency_s, world_size):
+            seen.append((op, nbytes))
+
+    comm.add_listener(Listener)
+    out = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(rank)
+            full = (torch.randn(world * 5, generator=g) * 4).round().to(dtype)  # integers: exact in any order
+            mine = torch.empty(5, dtype=dtype)
+            comm.reduce_scatter_tensor(mine, full.clone())
+            out[str(dtype)] = mine
+        peak = torch.full((world * 2,), float(rank))
+        top = torch.empty(2)
+        comm.reduce_scatter_tensor(top, peak, op=comm.ReduceOp.MAX)  # not a sum: all-reduce fallback
+        out["max"] = top
+    finally:
+        comm.remove_listener(Listener)
+    return rank, world, out, seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduce_scatter_is_a_ring_of_p2p_sums(world):
+    for rank, size, out, seen in run_distributed(_reduce_scatter_run, world):
+        for dtype in (torch.float32, torch.bfloat16):
+            total = sum((torch.randn(size * 5, generator=torch.Generator().manual_seed(r)) * 4).round().to(dtype)
+                        for r in range(size))
+            assert torch.equal(out[str(dtype)], total[rank * 5:(rank + 1) * 5])
+        assert torch.equal(out["max"], torch.full((2,), float(size - 1)))
+        # the listener sees one reduce-scatter of the input per call (not its point-to-point steps)
+        assert seen == [("reduce_scatter", size * 5 * 4), ("reduce_scatter", size * 5 * 2), ("all_reduce", size * 2 * 4)]

@@ -565,3 +565,19 @@ def test_activation_checkpointing_trains_like_plain_pytorch(reentrant):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
     for got, ref in zip(gathered(engine.module), plain.parameters()):
         torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rank_major_bucket_equals_padded_columns(world):
+    """The reduce-scatter bucket (one copy per gradient) equals padding each flattened gradient
+    to world x k and placing the [world, k] blocks side by side."""
+    import torch.nn.functional as F
+
+    from dsplug.plugins.zero.stage3.reduce import rank_major_bucket
+
+    for shapes in ([(5,)], [(3, 4), (7,)], [(1,)], [(8,)], [(2, 3), (1,), (9, 2)]):
+        grads = [torch.randn(s) for s in shapes]
+        sizes = [-(-g.numel() // world) for g in grads]
+        expected = torch.cat([F.pad(g.reshape(-1), (0, world * k - g.numel())).view(world, k)
+                              for g, k in zip(grads, sizes)], dim=1)
+        assert torch.equal(rank_major_bucket(grads, sizes, world, torch.float32), expected)

@@ -19,7 +19,26 @@ from __future__ import annotations
 from typing import Callable, List, Tuple
 
 import torch
-import torch.nn.functional as F
+
+
+def rank_major_bucket(grads: List[torch.Tensor], sizes: List[int], world: int, dtype) -> torch.Tensor:
+    """``[world, sum(sizes)]``: row r holds rank r's piece (``sizes[i]`` elements, zero-padded) of
+    every gradient, side by side. One copy of each gradient (no padded temporaries)."""
+    bucket = torch.empty(world, sum(sizes), dtype=dtype, device=grads[0].device)
+    offset = 0
+    for g, k in zip(grads, sizes):
+        flat = g.reshape(-1)
+        n = flat.numel()
+        full_rows = n // k if k else 0
+        if full_rows:
+            bucket[:full_rows, offset:offset + k].copy_(flat[:full_rows * k].view(full_rows, k))
+        if full_rows < world:
+            rest = n - full_rows * k
+            bucket[full_rows, offset:offset + rest].copy_(flat[full_rows * k:])
+            bucket[full_rows, offset + rest:offset + k].zero_()
+            bucket[full_rows + 1:, offset:offset + k].zero_()
+        offset += k
+    return bucket
 
 
 class GradientReducer:
@@ -54,9 +73,7 @@ class GradientReducer:
         world = self.world_size
         params = [p for p, _ in self.pending]
         sizes = [p.ds_tensor.numel() for p in params]
-        columns = [F.pad(g.reshape(-1).to(self.dtype), (0, world * k - g.numel())).view(world, k)
-                   for (_, g), k in zip(self.pending, sizes)]
-        bucket = columns[0].contiguous() if len(columns) == 1 else torch.cat(columns, dim=1)
+        bucket = rank_major_bucket([g for _, g in self.pending], sizes, world, self.dtype)
         self.pending, self.pending_elements = [], 0
         if self.prescale:
             bucket.div_(world)
