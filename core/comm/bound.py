@@ -11,7 +11,9 @@ model-parallel unit (``initialize(mpu=...)``) or a pipeline grid it is one of se
   GROUP ranks, translated to the global ranks torch.distributed expects; ``recv`` returns the
   sender's group rank.
 
-Anything else (``ReduceOp``, ``add_listener``, ``operation``, ...) is the comm module's.
+Anything else (``ReduceOp``, ``add_listener``, ``operation``, ...) is the comm module's: a new
+collective of the comm layer needs a method here too (tests/test_parallel_groups.py checks that
+every public function taking ``group`` has one).
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ class GroupComm:
             return self._comm.get_world_size(group)
         return len(self.ranks)
 
+    def get_backend(self, group=None) -> str:
+        return self._comm.get_backend(self._g(group))
+
     def _g(self, group):
         return self.group if group is None else group
 
@@ -73,6 +78,9 @@ class GroupComm:
 
     def all_gather_into_tensor(self, output, input, group=None, async_op: bool = False):
         return self._comm.all_gather_into_tensor(output, input, group=self._g(group), async_op=async_op)
+
+    def all_gather_into_tensors(self, outputs, inputs, group=None, async_op: bool = False):
+        return self._comm.all_gather_into_tensors(outputs, inputs, group=self._g(group), async_op=async_op)
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
         return self._comm.reduce_scatter_tensor(output, input, op=op, group=self._g(group), async_op=async_op)

@@ -123,7 +123,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         """Apply one optimizer step; return False if an overflow skipped it."""
         grads = self._master_grads()
         # the norm costs a pass over every gradient: only when clipping or overflow checks need it
-        norm = self._agreed_local_norm if self._local_grads else _global_norm
+        norm = self._agreed_local_norm if self._local_grads else \
+            self._norm_over_experts if self.holds_experts else _global_norm
         self._local_grads = False
         apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, norm, norm_always=False)
         if not apply:
@@ -135,6 +136,24 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                 torch._foreach_copy_([p.data for p in self.params], [self.master[p] for p in self.params])
         self.zero_grad()
         return True
+
+    def _norm_over_experts(self, grads: List[torch.Tensor]) -> float:
+        """The global norm with MoE experts: the dense gradients are the same on every rank after
+        the reduction, each rank's expert gradients are its own experts' -- their squares are
+        summed over the expert-parallel group (which holds every expert once). Every rank then
+        clips and checks overflow with the same value."""
+        from dsplug.utils import groups
+
+        by_group: Dict[Optional[str], List[torch.Tensor]] = {}
+        for p, g in zip(self.params, grads):
+            by_group.setdefault(None if getattr(p, "allreduce", True) else p.group_name, []).append(g)
+        total = _global_norm(by_group.pop(None, [])) ** 2
+        for name in sorted(by_group):
+            square = torch.tensor([_global_norm(by_group[name]) ** 2], dtype=torch.float64)
+            if groups._get_expert_parallel_world_size(name) > 1:
+                self.comm.all_reduce(square, group=groups._get_expert_parallel_group(name))
+            total += float(square)
+        return math.sqrt(total) if math.isfinite(total) else total
 
     def _agreed_local_norm(self, grads: List[torch.Tensor]) -> float:
         """This rank's norm; inf on every rank when any rank's is not finite (overflow checks)."""
@@ -179,7 +198,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
     # ------------------------------------------------------------------ checkpoint hooks
     def _ds_rank_state(self) -> dict:
         if self.holds_experts:  # ranks differ (their experts): each rank's file holds its own state and experts
-            return {"zero_stage": 0, **self.state_dict(), "expert_params": [p.detach() for p in self._experts()]}
+            return {"zero_stage": 0, **self.state_dict(), "expert_params": [p.detach() for p in self._experts()],
+                    "expert_layout": self._expert_layout()}
         return {"zero_stage": 0, "optimizer_in_model_file": True}
 
     def _ds_rank_keys(self, engine, state, options) -> dict:
@@ -208,7 +228,9 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
         experts = state.get("expert_params")
-        if experts is not None and self.holds_experts:  # the shared file holds rank 0's experts only
+        # the shared file holds rank 0's experts only: this rank's come from its file -- when the
+        # layout is this run's (another layout is the MoE plugin's to map, from its expert files)
+        if experts is not None and self.holds_experts and state.get("expert_layout") == self._expert_layout():
             with torch.no_grad():
                 for p, value in zip(self._experts(), experts):
                     p.copy_(value)
@@ -239,6 +261,11 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def _experts(self) -> List[torch.nn.Parameter]:
         return [p for p in self.params if not getattr(p, "allreduce", True)]
+
+    def _expert_layout(self) -> dict:
+        """What decides which experts a rank holds: the world and each expert tensor's group and shape."""
+        return {"world_size": self.world_size,
+                "experts": [(p.group_name, tuple(p.shape)) for p in self._experts()]}
 
     def module_state_dict(self) -> dict:
         """The full module state (every rank holds it whole at stage 0)."""

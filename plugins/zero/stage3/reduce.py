@@ -16,15 +16,17 @@ block-quantized rows, dequantized and summed in fp32 by the receiving rank.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 
-def rank_major_bucket(grads: List[torch.Tensor], sizes: List[int], world: int, dtype) -> torch.Tensor:
+def rank_major_bucket(grads: List[torch.Tensor], sizes: List[int], world: int, dtype,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[world, sum(sizes)]``: row r holds rank r's piece (``sizes[i]`` elements, zero-padded) of
-    every gradient, side by side. One copy of each gradient (no padded temporaries)."""
-    bucket = torch.empty(world, sum(sizes), dtype=dtype, device=grads[0].device)
+    every gradient, side by side. One copy of each gradient (no padded temporaries); into ``out``
+    when given (a reused buffer of the right size: no fresh pages to fault in every step)."""
+    bucket = out if out is not None else torch.empty(world, sum(sizes), dtype=dtype, device=grads[0].device)
     offset = 0
     for g, k in zip(grads, sizes):
         flat = g.reshape(-1)
@@ -60,6 +62,7 @@ class GradientReducer:
         self.pending: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.pending_elements = 0
         self.outstanding: list = []
+        self._spare: Optional[torch.Tensor] = None  # the last bucket buffer (reused without overlap_comm)
 
     def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         self.pending.append((p, grad))
@@ -73,7 +76,12 @@ class GradientReducer:
         world = self.world_size
         params = [p for p, _ in self.pending]
         sizes = [p.ds_tensor.numel() for p in params]
-        bucket = rank_major_bucket([g for _, g in self.pending], sizes, world, self.dtype)
+        grads = [g for _, g in self.pending]
+        reuse = self._spare if not self.overlap and self._spare is not None and \
+            self._spare.shape == (world, sum(sizes)) and self._spare.device == grads[0].device else None
+        bucket = rank_major_bucket(grads, sizes, world, self.dtype, out=reuse)
+        if not self.overlap:  # reduced before the next flush: the next bucket of this size reuses it
+            self._spare = bucket
         self.pending, self.pending_elements = [], 0
         if self.prescale:
             bucket.div_(world)
