@@ -17,7 +17,10 @@ _LAZY = {
     "initialize": ("dsplug.api", "initialize"),
     "init_distributed": ("dsplug.api", "init_distributed"),
     "add_config_arguments": ("dsplug.api", "add_config_arguments"),
+    "add_tuning_arguments": ("dsplug.runtime.lr_schedules", "add_tuning_arguments"),
     "DeepSpeedEngine": ("dsplug.engine", "Engine"),
+    "PipelineModule": ("dsplug.pipe", "PipelineModule"),
+    "PipelineEngine": ("dsplug.runtime.pipe.engine", "PipelineEngine"),
     "Engine": ("dsplug.engine", "Engine"),
     "DsplugConfig": ("dsplug.config", "DsplugConfig"),
     "ConfigError": ("dsplug.config", "ConfigError"),
@@ -27,7 +30,7 @@ _LAZY = {
     "get_accelerator": ("dsplug.accelerator", "get_accelerator"),
 }
 _SUBMODULES = {"comm", "zero", "ops", "profiling", "checkpoint", "checkpointing", "config", "accelerator", "op_builder",
-               "utils", "contracts", "testing", "runtime", "launcher"}
+               "utils", "contracts", "testing", "runtime", "launcher", "pipe", "autotuning", "elasticity"}
 
 __all__ = ["PluginSpec", "CATEGORIES", "hookimpl", "hookspec", "__version__", *_LAZY]
 

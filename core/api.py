@@ -11,6 +11,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                config_params=None):
     """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
+    The engine is a :class:`dsplug.engine.Engine`, or the subclass a plugin names for this model
+    through the ``dsplug_engine_factory`` hook (a ``PipelineEngine`` for a ``PipelineModule``).
+
     ``mpu``: a model-parallel unit (DeepSpeed's six ``get_{model,data}_parallel_{rank,group,world_size}``
     methods, e.g. Megatron's): data-parallel reductions, ZeRO partitions, the batch arithmetic and
     the data loader use its data-parallel group, and checkpoints are written per model-parallel slice.
@@ -19,11 +22,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     name), or ``args.deepspeed_config`` (from :func:`add_config_arguments`).
     """
     from .engine import Engine
+    from .registry import get_registry
 
     source = _config_source(args, config, config_params)
-    engine = Engine(model=model, config=source, optimizer=optimizer, model_parameters=model_parameters,
-                    training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
-                    dist_init_required=dist_init_required, mpu=mpu)
+    # a plugin may train this model with its own engine class (the pipeline plugin: PipelineModule)
+    engine_class = get_registry().pm.hook.dsplug_engine_factory(model=model, mpu=mpu) or Engine
+    engine = engine_class(model=model, config=source, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
+                          dist_init_required=dist_init_required, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -67,6 +67,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                                     mp_world_size=groups._get_model_parallel_world_size(), model=model,
                                     registry=self.registry)
         self.precision = self._build_selected("precision")
+        groups.refuse_per_slice_decisions(kernel, self.precision)
         self.events = self._build_event_bus()  # before any collective, so loggers see them all
         self.compression = self._build_compression()
         for method in self.compression:
@@ -109,6 +110,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.module.to(self.device)
         if self.precision.model_dtype not in (None, torch.float32):
             self.module.to(self.precision.model_dtype)
+        groups.create_expert_groups(self.module)  # MoE: the groups its experts name (no-op without)
         if self.world_size > 1:
             groups.broadcast_module_state(self.module, self.context.comm)
 
@@ -321,6 +323,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.events.hook.dsplug_engine_closed(engine=self)
         self.stage.close()
         detach_stage(self.module, self.stage)
+        if self.mpu is not None and groups.get_mpu() is self.mpu:
+            groups.set_mpu(None)  # the process-wide data-parallel answers return to the world
 
 
 def _param_groups(model, model_parameters, client_optimizer) -> List[dict]:

@@ -5,12 +5,15 @@ engine's event bus; this module only writes and reads the files (:mod:`dsplug.ch
 Files of a tag (DeepSpeed's names): the shared ``mp_rank_00_model_states.pt`` holds every
 ``scope="model"`` contribution plus the engine's own record (counters, client_state, config);
 ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds rank ``r``'s ``scope="rank"``
-contributions; ``rng_state_rank_<r>.pt`` its RNG states.
+contributions; ``rng_state_rank_<r>.pt`` its RNG states. A plugin may add files of its own
+(``dsplug_checkpoint_files``, e.g. MoE experts one file each), written with the others and listed
+in the manifest; it reads them back in ``dsplug_checkpoint_read``, before any part loads.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Dict
 
 import attrs
@@ -45,12 +48,19 @@ class EngineCounters:
         return attrs.asdict(self) if scope == "model" else None
 
     @hookimpl
-    def dsplug_load_checkpoint_state(self, checkpoint):
+    def dsplug_load_checkpoint_state(self, engine, checkpoint):
         if checkpoint.options.load_module_only:
             return
         for name in attrs.fields_dict(type(self)):
             if name in checkpoint.model:
                 setattr(self, name, int(checkpoint.model[name]))
+        # Saved at an accumulation boundary with other gradient_accumulation_steps (a resume at another
+        # world size whose batch split differs, or a changed config): count the finished windows in this
+        # run's steps, so the next optimizer step accumulates exactly this run's number of micro-batches.
+        saved = (checkpoint.model.get("ds_config") or {}).get("gradient_accumulation_steps")
+        gas = engine.gradient_accumulation_steps()
+        if isinstance(saved, int) and saved > 0 and self.micro_steps % gas and self.micro_steps % saved == 0:
+            self.micro_steps = self.micro_steps // saved * gas
 
 
 class SchedulerState:
@@ -90,8 +100,36 @@ def collect(engine, scope: str, options: SaveOptions) -> Dict[str, Any]:
     return merged
 
 
-def _implementers(engine) -> str:
-    return ", ".join(i.plugin_name for i in engine.events.hook.dsplug_checkpoint_state.get_hookimpls())
+#: names of the files the engine writes itself in a tag directory
+_ENGINE_FILES = re.compile(r"(mp_rank_\d+_model_states|zero_pp_rank_\d+_mp_rank_\d+_optim_states"
+                           r"|rng_state_rank_\d+)\.pt$")
+
+
+def plugin_files(engine, shared: Dict[str, Any], options: SaveOptions) -> Dict[str, Any]:
+    """This rank's files of the participants that write their own (hook ``dsplug_checkpoint_files``),
+    checked: plain file names, none of the engine's, none given twice."""
+    files: Dict[str, Any] = {}
+    for contribution in engine.events.hook.dsplug_checkpoint_files(engine=engine, shared=shared, options=options):
+        if contribution is None:
+            continue
+        if not isinstance(contribution, dict):
+            raise ckpt.CheckpointError(f"a dsplug_checkpoint_files implementation returned "
+                                       f"{type(contribution).__name__}; expected a dict {{file name: state}}")
+        for name, state in contribution.items():
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") \
+                    or name in (ckpt.MANIFEST, ckpt.OWNER) or _ENGINE_FILES.match(name):
+                raise ckpt.CheckpointError(f"a dsplug_checkpoint_files implementation named a file {name!r}: a "
+                                           "plugin's file needs a plain file name that is not one of the engine's "
+                                           "(model / optimizer / rng states, manifest)")
+            if name in files:
+                raise ckpt.CheckpointError(f"checkpoint file {name!r} is contributed twice on this rank "
+                                           f"(implementers: {_implementers(engine, 'dsplug_checkpoint_files')})")
+            files[name] = state
+    return files
+
+
+def _implementers(engine, hook: str = "dsplug_checkpoint_state") -> str:
+    return ", ".join(i.plugin_name for i in getattr(engine.events.hook, hook).get_hookimpls())
 
 
 @comm.operation("save_checkpoint")  # a dead or stopped rank is named in the error
@@ -114,6 +152,7 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     options = SaveOptions(tag=tag, save_dir=save_dir, exclude_frozen_parameters=exclude_frozen_parameters)
     shared = collect(engine, "model", options)  # every rank: contributions may be collectives
     own = collect(engine, "rank", options)
+    extra = plugin_files(engine, shared, options)  # files plugins write themselves (may trim ``shared``)
 
     dp_rank, mp_rank = engine.context.rank, engine.context.mp_rank
     model_file = ckpt.model_file(mp_rank)
@@ -135,6 +174,8 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
                                         os.path.join(staging, optim))
         rng = ckpt.rng_file(engine.global_rank)
         files[rng] = ckpt.atomic_save(ckpt.rng_state(engine.accelerator), os.path.join(staging, rng))
+        for name, state in extra.items():
+            files[name] = ckpt.atomic_save(state, os.path.join(staging, name))
         return files
 
     written = _on_every_rank("writing", write_files, gather=True)
@@ -142,7 +183,13 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     def commit():
         if not rank0:
             return
-        files = {name: entry for per_rank in written for name, entry in per_rank.items()}
+        files = {}
+        for rank, per_rank in enumerate(written):
+            for name, entry in per_rank.items():
+                if name in files:
+                    raise ckpt.CheckpointError(f"checkpoint file {name} was written by two ranks (the second: rank "
+                                               f"{rank}); a plugin's own files need a name per rank")
+                files[name] = entry
         ckpt.write_manifest(staging, files, tag=tag, global_steps=engine.global_steps, world_size=engine.world_size,
                             save_latest=bool(save_latest))
         ckpt.commit(save_dir, tag, save_latest)
@@ -208,6 +255,9 @@ def load_checkpoint(engine, load_dir, tag=None, **flags):
     shared, own, rng = _on_every_rank("reading", read_own_files, same_error=True)[engine.global_rank]
     view = CheckpointView(model=shared, rank=own, saved_world_size=int(shared.get("world_size", 1)),
                           read_rank=read_rank, options=options, path=path)
+    # plugins complete the view from their own files first (a failure anywhere stops every rank)
+    _on_every_rank("reading", lambda: engine.events.hook.dsplug_checkpoint_read(engine=engine, checkpoint=view),
+                   same_error=True)
     engine.events.hook.dsplug_load_checkpoint_state(engine=engine, checkpoint=view)
     if rng is not None:
         ckpt.set_rng_state(rng, engine.accelerator)

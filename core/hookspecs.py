@@ -20,8 +20,10 @@ There are three kinds of hook:
   is a contract class in :mod:`dsplug.contracts` (its docstrings say what the engine calls and
   when).
 * **Service hooks** (``dsplug_cli_commands``, ``dsplug_api_modules``, ``dsplug_estimate_*``,
-  ``dsplug_auto_value``) let a plugin extend the kernel's own services: the command line,
-  DeepSpeed's import paths, memory estimates and Hugging Face ``"auto"`` values.
+  ``dsplug_auto_value``, ``dsplug_batch_sizes``, ``dsplug_engine_factory``) let a plugin extend
+  the kernel's own services: the command line, DeepSpeed's import paths, memory estimates,
+  Hugging Face ``"auto"`` values, the batch sizes (elastic training) and the engine class
+  ``initialize`` builds for a model (the pipeline engine for a ``PipelineModule``).
 * **Lifecycle hooks** (``dsplug_engine_built`` ...) are events of one engine. They are called
   on the engine's own event bus, which holds: the observers and monitors the config enabled;
   the parts the engine built that subclass a contract with checkpoint state (ZeRO stage,
@@ -175,12 +177,43 @@ class ServiceSpecs:
         plugin does not own the estimate. The first non-None answer wins (firstresult).
         """
 
+    @hookspec
+    def dsplug_batch_sizes(self, config, world_size, report):
+        """The batch sizes, when a plugin decides them (elastic training does, from its section).
+
+        Called while a :class:`dsplug.DsplugConfig` is built, after every section is parsed and
+        before the kernel infers the batch triple. ``config``: that config (``raw``, ``kernel``
+        with the keys the user gave, ``sections``); ``world_size``: the data-parallel size, or
+        None when unknown (``dsplug config check``); ``report``: record errors / notices there
+        with the JSON path at fault (``report.error(path, message)``).
+
+        Return None when not yours. Otherwise a dict with some of ``train_batch_size``,
+        ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``: they replace the
+        config's own keys (a key left out counts as not given) and the kernel infers and checks
+        the triple from them as usual. Checking the user's own batch keys against yours is your
+        job. Return ``{}`` after recording an error. Two plugins answering is an error naming both.
+        """
+
     @hookspec(firstresult=True)
     def dsplug_auto_value(self, path, hidden_size):
         """The value of an ``"auto"`` key derived from the model (Hugging Face's convention).
 
         ``path``: the dotted JSON path (``"zero_optimization.reduce_bucket_size"``);
         ``hidden_size``: the model's hidden size. Return the value, or None if not yours.
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_engine_factory(self, model, mpu):
+        """The engine class for ``model`` when it needs its own (DeepSpeed returns a
+        ``PipelineEngine`` for a ``PipelineModule``).
+
+        Asked by ``dsplug.initialize`` with the ``model`` and ``mpu`` it was given. Return None
+        when the model is not yours, else a subclass of :class:`dsplug.engine.Engine` (or a
+        callable with its keyword arguments: ``model``, ``config``, ``optimizer``,
+        ``model_parameters``, ``training_data``, ``lr_scheduler``, ``collate_fn``,
+        ``dist_init_required``, ``mpu``) returning one. The first non-None answer wins; keep the
+        check cheap (``initialize`` asks for every model) and raise for a model that is yours but
+        cannot be trained with these arguments.
         """
 
 
@@ -256,6 +289,31 @@ class LifecycleSpecs:
         name. Two implementations returning the same key is an error naming both. Values must be
         tensors and plain Python data (checkpoints load with ``weights_only=True``).
         ``options`` is a :class:`dsplug.contracts.SaveOptions` (tag, ``exclude_frozen_parameters``).
+        """
+
+    @hookspec
+    def dsplug_checkpoint_files(self, engine, shared, options):
+        """Files of your own in the checkpoint being saved: return ``{file name: state}`` that THIS
+        rank writes, or None.
+
+        Called on every rank after every ``dsplug_checkpoint_state`` contribution is collected.
+        ``shared`` is the merged ``scope="model"`` dict the shared file will hold (``"module"``:
+        the module state dict): remove from it, in place, entries your files hold instead (MoE
+        experts, one file per expert, as DeepSpeed keeps them out of the model file). The engine
+        writes the files crash-safely into the tag directory with its own and lists them in the
+        manifest (verified when read). A name must be a plain file name, not one of the engine's
+        files, and written by one rank only (a clash is an error naming the file). Values as for
+        ``dsplug_checkpoint_state``. Read them back in :meth:`dsplug_checkpoint_read`.
+        """
+
+    @hookspec
+    def dsplug_checkpoint_read(self, engine, checkpoint):
+        """A checkpoint's files are read; nothing is loaded yet. Complete ``checkpoint.model`` /
+        ``checkpoint.rank`` (a :class:`dsplug.contracts.CheckpointView`) in place from the files you
+        wrote with :meth:`dsplug_checkpoint_files` (under ``checkpoint.path``; read them with
+        :func:`dsplug.checkpoint.load_file`), e.g. put the entries you took out back into
+        ``checkpoint.model["module"]`` under this run's names, so every part then loads as usual.
+        An error on any rank stops the load on every rank with its message.
         """
 
     @hookspec

@@ -37,15 +37,13 @@ FEATURES: Dict[str, str] = {
               "config section) is not implemented: dsplug shards with data parallelism and ZeRO stages 1-3",
     "sequence": "Ulysses sequence parallelism (deepspeed.sequence) is not implemented: dsplug parallelizes over "
                 "data (with ZeRO stages 1-3) only",
-    "pipeline": "pipeline parallelism (deepspeed.pipe: PipelineModule, PipelineEngine) is not implemented: "
-                "use ZeRO stage 3 (and offload) to fit a large model",
-    "moe": "mixture-of-experts layers (deepspeed.moe) are not implemented",
-    "autotuning": "the DeepSpeed autotuner (deepspeed.autotuning, add_tuning_arguments) is not implemented",
-    "elasticity": "elastic training (deepspeed.elasticity) is not implemented",
     "linear": "DeepSpeed's LoRA / quantized linear layers (deepspeed.linear) are not implemented: use peft",
-    "kernels": "DeepSpeed's fused CUDA model kernels (transformer, sparse attention, model implementations) are "
-               "not implemented: dsplug's native ops are the optimizer and I/O ops under deepspeed.ops",
+    "kernels": "DeepSpeed's fused CUDA model kernels (transformer, model implementations) are "
+               "not implemented: dsplug's native ops are the optimizer, I/O and sparse attention ops under deepspeed.ops",
     "env_report": "deepspeed.env_report is not available: run 'dsplug report'",
+    "sparse_matmul": "DeepSpeed's Triton block-sparse MatMul / Softmax classes (deepspeed.ops.sparse_attention.matmul, "
+                     ".softmax) are not provided: use SparseSelfAttention, which runs dsplug's native block-sparse "
+                     "kernels (docs/sparse-attention.md)",
 }
 
 #: DeepSpeed module -> feature key (a submodule of a listed module is covered by its row)
@@ -55,14 +53,10 @@ MODULES: Dict[str, str] = {
     "deepspeed.module_inject": "autotp",
     "deepspeed.sequence": "sequence",
     "deepspeed.runtime.sequence_parallel": "sequence",
-    "deepspeed.pipe": "pipeline",
-    "deepspeed.runtime.pipe": "pipeline",
-    "deepspeed.moe": "moe",
-    "deepspeed.autotuning": "autotuning",
-    "deepspeed.elasticity": "elasticity",
     "deepspeed.linear": "linear",
     "deepspeed.ops.transformer": "kernels",
-    "deepspeed.ops.sparse_attention": "kernels",
+    "deepspeed.ops.sparse_attention.matmul": "sparse_matmul",
+    "deepspeed.ops.sparse_attention.softmax": "sparse_matmul",
     "deepspeed.env_report": "env_report",
 }
 
@@ -75,9 +69,6 @@ NAMES: Dict[str, str] = {
     "replace_transformer_layer": "inference",
     "revert_transformer_layer": "inference",
     "tp_model_init": "autotp",
-    "PipelineModule": "pipeline",
-    "PipelineEngine": "pipeline",
-    "add_tuning_arguments": "autotuning",
 }
 
 

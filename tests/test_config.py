@@ -54,11 +54,11 @@ def test_unknown_nested_key_names_json_path_and_closest_key():
 
 
 def test_unknown_top_level_key_differs_from_documented_but_missing_section():
-    errors = errors_of({"train_batch_size": 4, "steps_per_prnt": 1, "sparse_attention": {"mode": "fixed"}})
+    errors = errors_of({"train_batch_size": 4, "steps_per_prnt": 1, "nebula": {"enabled": True}})
     typo = next(e for e in errors if e.startswith("steps_per_prnt"))
-    missing = next(e for e in errors if e.startswith("sparse_attention"))
+    missing = next(e for e in errors if e.startswith("nebula"))
     assert "unknown top-level key; did you mean 'steps_per_print'?" in typo
-    assert "DeepSpeed's sparse attention section, but no installed dsplug plugin provides it (yet)" in missing
+    assert "DeepSpeed's Nebula checkpointing service section, but no installed dsplug plugin provides it (yet)" in missing
     assert "unknown" not in missing
 
 

@@ -27,7 +27,7 @@ def fresh_warnings(monkeypatch):
 
 
 def test_all_ops_names_and_deepspeed_api():
-    assert set(ALL_OPS) == {"cpu_adam", "cpu_adagrad", "cpu_lion", "async_io", "quantizer"}
+    assert set(ALL_OPS) == {"cpu_adam", "cpu_adagrad", "cpu_lion", "async_io", "quantizer", "sparse_attn"}
     assert ALL_OPS["cpu_adam"] is CPUAdamBuilder and ALL_OPS["async_io"] is AsyncIOBuilder
     assert CPUAdamBuilder().absolute_name() == CPULionBuilder().absolute_name() == "dsplug.ops.cpu_optim_op"
     assert AsyncIOBuilder().absolute_name() == "dsplug.ops.aio.async_io_op"

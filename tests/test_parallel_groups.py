@@ -164,14 +164,14 @@ class ExpertToy(torch.nn.Module):
     (no all-to-all needed for the reduction test): with allreduce=False its gradient must be
     reduced in the expert-data-parallel group only."""
 
-    def __init__(self):
+    def __init__(self, group_name: str = "ep_size_2"):
         super().__init__()
         self.dense = torch.nn.Linear(6, 4)
         self.expert = torch.nn.Linear(4, 1)
         self.expert.weight.allreduce = False
-        self.expert.weight.group_name = "ep_size_2"
+        self.expert.weight.group_name = group_name
         self.expert.bias.allreduce = False
-        self.expert.bias.group_name = "ep_size_2"
+        self.expert.bias.group_name = group_name
 
     def forward(self, x):
         return self.expert(torch.tanh(self.dense(x)))
@@ -180,8 +180,7 @@ class ExpertToy(torch.nn.Module):
 def _train_expert_toy(stage: int, tag_dir: str):
     import dsplug
 
-    dsplug.init_distributed()
-    groups._create_expert_and_data_parallel(2)
+    dsplug.init_distributed()  # the engine creates the 'ep_size_2' groups the experts name
     rank = dsplug.comm.get_rank()
     torch.manual_seed(0)
     model = ExpertToy()
@@ -191,6 +190,7 @@ def _train_expert_toy(stage: int, tag_dir: str):
     cfg = _config(stage)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
     cfg["zero_allow_untested_optimizer"] = True
+    cfg["gradient_clipping"] = 1e6  # no effect, but the norm is computed (and reported)
     # stages 1-2 partition experts in their own param group (DeepSpeed's requirement too)
     param_groups = [{"params": list(model.dense.parameters())},
                     {"params": list(model.expert.parameters()), "moe": True, "name": "ep_size_2"}]
@@ -198,6 +198,7 @@ def _train_expert_toy(stage: int, tag_dir: str):
     x, _ = _batch(0, rank)
     engine.backward(engine(x).sum())
     engine.step()
+    norm = engine.get_global_grad_norm()
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     full = engine.stage.full_fp32_param(model.expert.weight)  # assembled in the expert-data-parallel group
     engine.save_checkpoint(tag_dir, tag="moe")
@@ -208,7 +209,7 @@ def _train_expert_toy(stage: int, tag_dir: str):
     fresh.load_checkpoint(tag_dir, tag="moe")
     reloaded = {n: p.detach().clone() for n, p in fresh_model.named_parameters()}
     groups._reset_for_tests()
-    return rank, after, full, reloaded
+    return rank, after, full, reloaded, norm
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -231,7 +232,12 @@ def test_expert_gradients_are_reduced_in_the_expert_data_parallel_group(stage, t
         model(x).sum().backward()
         dense_grads.append([model.dense.weight.grad, model.dense.bias.grad])
         expert_grads.setdefault(rank % 2, []).append([model.expert.weight.grad, model.expert.bias.grad])
-    for rank, (params, full, reloaded) in results.items():
+    true_grads = [sum(g[0] for g in dense_grads) / 4, sum(g[1] for g in dense_grads) / 4]
+    for held in expert_grads.values():
+        true_grads += [(held[0][0] + held[1][0]) / 4, (held[0][1] + held[1][1]) / 4]
+    true_norm = float(torch.sqrt(sum((g ** 2).sum() for g in true_grads)))
+    for rank, (params, full, reloaded, norm) in results.items():
+        assert norm == pytest.approx(true_norm, rel=1e-5)  # every expert once, on every rank
         torch.testing.assert_close(params["dense.weight"], base.dense.weight - sum(g[0] for g in dense_grads) / 4)
         torch.testing.assert_close(params["dense.bias"], base.dense.bias - sum(g[1] for g in dense_grads) / 4)
         held = expert_grads[rank % 2]
@@ -247,7 +253,16 @@ def test_stage3_refuses_expert_parameters():
     import dsplug
 
     with pytest.raises(ValueError, match="zero_optimization.stage=3: the model has 2 MoE expert"):
-        dsplug.initialize(model=ExpertToy(), config=_config(3))
+        dsplug.initialize(model=ExpertToy("ep_size_1"), config=_config(3))
+
+
+def test_an_expert_group_that_does_not_divide_the_world_is_refused():
+    import dsplug
+
+    with pytest.raises(ValueError, match=r"expert parallel size 2 must divide the data-parallel world size 1"):
+        dsplug.initialize(model=ExpertToy("ep_size_2"), config=_config(0))
+    with pytest.raises(ValueError, match="group_name='experts'.*'ep_size_<expert parallel size>'"):
+        dsplug.initialize(model=ExpertToy("experts"), config=_config(0))
 
 
 def test_a_param_group_mixing_experts_and_dense_parameters_is_refused_at_stage1():
@@ -255,7 +270,7 @@ def test_a_param_group_mixing_experts_and_dense_parameters_is_refused_at_stage1(
 
     with pytest.raises(ValueError, match="param group 0 mixes MoE expert parameters .*expert.weight.*"
                                          "split_params_into_different_moe_groups_for_optimizer"):
-        dsplug.initialize(model=ExpertToy(), config=_config(1))
+        dsplug.initialize(model=ExpertToy("ep_size_1"), config=_config(1))
 
 
 def test_group_comm_translates_group_ranks():
@@ -263,3 +278,41 @@ def test_group_comm_translates_group_ranks():
     assert bound.global_rank(1) == 3 and bound.group_rank(1) == 0
     assert bound.get_world_size() == 2
 
+
+
+def test_group_comm_binds_every_collective_of_the_comm_layer():
+    """A comm function taking ``group`` that GroupComm does not override would silently run on
+    the world group under an mpu."""
+    import inspect
+
+    import dsplug.comm as comm_module
+
+    missing = []
+    for name, fn in vars(comm_module).items():
+        if name.startswith("_") or not inspect.isfunction(fn) or name in vars(GroupComm):
+            continue
+        if "group" in inspect.signature(fn).parameters and fn.__module__ == comm_module.__name__:
+            missing.append(name)
+    assert not missing, f"GroupComm lacks {missing}"
+
+
+def _refusals_with_mpu():
+    import dsplug
+
+    dsplug.init_distributed()
+    mpu = ToyMpu(2)
+    out = []
+    for extra in ({"gradient_clipping": 1.0}, {"fp16": {"enabled": True}}):
+        try:
+            dsplug.initialize(model=_model(0), config={**_config(0), **extra}, mpu=mpu)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+    groups.set_mpu(None)
+    return out
+
+
+def test_clipping_and_fp16_are_refused_across_model_parallel_slices():
+    for messages in run_distributed(_refusals_with_mpu, 2):
+        assert "gradient_clipping=1.0 with a model-parallel unit of 2 slices" in messages[0]
+        assert "fp16 with a model-parallel unit of 2 slices" in messages[1]

@@ -196,6 +196,12 @@ class DsplugConfig(abc.Mapping):
     def _resolve_batch(self, report: Report, strict_auto: bool) -> None:
         k = self.kernel
         given = {name: getattr(k, name) for name in BATCH_KEYS}
+        errors_before = len(report.errors)
+        decided = self._plugin_batch_sizes(report)
+        if decided is not None:  # a plugin owns the batch sizes (elastic training): its values replace the keys
+            if len(report.errors) > errors_before:
+                return
+            given = {name: decided.get(name) for name in BATCH_KEYS}
         autos = [name for name, v in given.items() if is_auto(v)]
         values = {name: (None if is_auto(v) else v) for name, v in given.items()}
         if self.world_size is None:
@@ -208,7 +214,7 @@ class DsplugConfig(abc.Mapping):
                         f"gradient_accumulation_steps = {values['train_micro_batch_size_per_gpu']} × "
                         f"{values['gradient_accumulation_steps']}, so no world size fits",
                     )
-            elif not any(v is not None for v in values.values()) and not autos and not strict_auto:
+            elif not any(v is not None for v in values.values()) and not autos and not strict_auto and decided is None:
                 report.error("train_batch_size", "set train_batch_size or train_micro_batch_size_per_gpu")
             return
         try:
@@ -222,6 +228,31 @@ class DsplugConfig(abc.Mapping):
         self.kernel = attrs.evolve(
             self.kernel, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas
         )
+
+    def _plugin_batch_sizes(self, report: Report) -> Optional[Dict[str, Any]]:
+        """What the one plugin answering ``dsplug_batch_sizes`` decided, or None (see the hookspec)."""
+        decided, owner = None, None
+        hook = self.registry.pm.hook.dsplug_batch_sizes
+        arguments = {"config": self, "world_size": self.world_size, "report": report}
+        for impl in reversed(hook.get_hookimpls()):
+            try:
+                answer = impl.function(**{name: arguments[name] for name in impl.argnames})
+            except ConfigError:
+                raise
+            except Exception as exc:  # a buggy plugin must be visible, not fatal to the message
+                report.error("train_batch_size", f"plugin {impl.plugin_name!r} failed in dsplug_batch_sizes: "
+                             f"{type(exc).__name__}: {exc}")
+                return {}
+            if answer is None:
+                continue
+            unknown = sorted(set(answer) - set(BATCH_KEYS))
+            if owner is not None or unknown:
+                why = (f"plugins {owner!r} and {impl.plugin_name!r} both set the batch sizes" if owner is not None else
+                       f"plugin {impl.plugin_name!r} returned {unknown}, which are not batch keys")
+                report.error("train_batch_size", f"{why} (dsplug_batch_sizes)")
+                return {}
+            decided, owner = dict(answer), impl.plugin_name
+        return decided
 
     def _refuse_unresolved_auto(self, report: Report) -> None:
         resolved = to_dict_of(self)

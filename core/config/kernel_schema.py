@@ -123,7 +123,6 @@ DOCUMENTED_SECTIONS = {
     "hybrid_engine": "hybrid (RLHF) engine",
     "weight_quantization": "weight quantization",
     "tensor_parallel": "automatic tensor parallelism",
-    "moe": "mixture of experts",
     "monitor_config": "monitor configuration",
 }
 

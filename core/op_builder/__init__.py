@@ -33,6 +33,7 @@ from .builder import (
 )
 from .cpu_optimizers import CPUAdagradBuilder, CPUAdamBuilder, CPULionBuilder
 from .quantizer import QuantizerBuilder
+from .sparse_attn import SparseAttnBuilder
 
 ALL_OPS: Dict[str, Type[OpBuilder]] = {
     CPUAdamBuilder.NAME: CPUAdamBuilder,
@@ -40,6 +41,7 @@ ALL_OPS: Dict[str, Type[OpBuilder]] = {
     CPULionBuilder.NAME: CPULionBuilder,
     AsyncIOBuilder.NAME: AsyncIOBuilder,
     QuantizerBuilder.NAME: QuantizerBuilder,
+    SparseAttnBuilder.NAME: SparseAttnBuilder,
 }
 
 
@@ -90,5 +92,5 @@ def all_op_status() -> List[OpStatus]:
 __all__ = [
     "ALL_OPS", "OpStatus", "op_status", "all_op_status", "get_builder", "OpBuilder", "OpBuildError",
     "OpUnavailableError", "NativeOpsFallbackWarning", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder",
-    "AsyncIOBuilder", "QuantizerBuilder", "cache_root", "native_disabled", "CACHE_ENV", "DISABLE_ENV",
+    "AsyncIOBuilder", "QuantizerBuilder", "SparseAttnBuilder", "cache_root", "native_disabled", "CACHE_ENV", "DISABLE_ENV",
 ]

@@ -1,7 +1,8 @@
 """``deepspeed.ops.op_builder`` names: ``from dsplug.ops.op_builder import AsyncIOBuilder``.
 
 The builders of dsplug's native ops (``CPUAdamBuilder``, ``CPUAdagradBuilder``,
-``CPULionBuilder``, ``AsyncIOBuilder``) build, cache and load them (``is_compatible()``,
+``CPULionBuilder``, ``AsyncIOBuilder``, ``SparseAttnBuilder`` -- dsplug's CPU kernels for
+``deepspeed.ops.sparse_attention``) build, cache and load them (``is_compatible()``,
 ``load()``). DeepSpeed's other builders (CUDA kernels: ``FusedAdamBuilder``, ``TransformerBuilder``
 ...) are here under their names so that scripts probing them keep working: ``is_compatible()`` is
 False and ``load()`` raises :class:`OpUnavailableError` naming what to use instead.
@@ -14,6 +15,7 @@ from dsplug.op_builder import (  # noqa: F401
     CPULionBuilder,
     OpBuilder,
     OpUnavailableError,
+    SparseAttnBuilder,
     all_op_status,
     op_status,
 )
@@ -63,7 +65,6 @@ GDSBuilder = _unavailable("GDSBuilder", "gds", "AsyncIOBuilder (the aio handle)"
 TransformerBuilder = _unavailable("TransformerBuilder", "transformer", "torch's own transformer layers")
 StochasticTransformerBuilder = _unavailable("StochasticTransformerBuilder", "stochastic_transformer",
                                             "torch's own transformer layers")
-SparseAttnBuilder = _unavailable("SparseAttnBuilder", "sparse_attn", "torch.nn.functional.scaled_dot_product_attention")
 QuantizerBuilder = _unavailable("QuantizerBuilder", "quantizer",
                                 "dsplug.plugins.compression.quantize (dsplug's own quantizer op, another API)")
 FPQuantizerBuilder = _unavailable("FPQuantizerBuilder", "fp_quantizer", "torch's quantization")

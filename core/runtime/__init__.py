@@ -10,7 +10,9 @@
 * :mod:`.activation_checkpointing` — ``activation_checkpointing.checkpointing`` (the
   ``dsplug.checkpointing`` API), from the activation checkpointing plugin;
 * :mod:`.data_pipeline` — ``data_sampling`` (``DataAnalyzer``, ``DeepSpeedDataSampler``) and
-  ``data_routing`` (random-LTD), from the data efficiency plugin.
+  ``data_routing`` (random-LTD), from the data efficiency plugin;
+* :mod:`.pipe` — ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``, ``ProcessTopology`` and the
+  ``module`` / ``topology`` / ``engine`` / ``schedule`` submodules, from the pipeline plugin.
 
 Submodules are imported on first attribute access, so ``dsplug.runtime.lr_schedules.VALID_LR_SCHEDULES``
 works right after ``import dsplug`` as ``deepspeed.runtime...`` does after ``import deepspeed``.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import importlib
 
 _SUBMODULES = {"config", "constants", "engine", "lr_schedules", "zero", "fp16", "activation_checkpointing",
-               "data_pipeline"}
+               "data_pipeline", "pipe"}
 
 
 def __getattr__(name):

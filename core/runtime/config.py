@@ -108,7 +108,7 @@ class DeepSpeedConfig:
         self.scheduler_name = scheduler["type"] if scheduler else None
         self.scheduler_params = dict(scheduler.get("params", {})) if scheduler else None
 
-        self.elasticity_enabled = False
+        self.elasticity_enabled = (d.get("elasticity") or {}).get("enabled") is True
         self.pld_enabled = False
         self.pld_params = False
         self.curriculum_enabled_legacy = False

@@ -310,6 +310,38 @@ def _get_max_expert_size_name() -> str:
     return _expert_name(_get_max_expert_size() or 1)
 
 
+def refuse_per_slice_decisions(kernel_config, precision) -> None:
+    """With several model-parallel slices, gradient clipping and the fp16 overflow check would be
+    decided per slice (the ZeRO stages agree on them over the data-parallel group only), so
+    parameters replicated across slices could drift apart: refused, with the keys named."""
+    if _get_model_parallel_world_size() <= 1:
+        return
+    clip = float(getattr(kernel_config, "gradient_clipping", 0.0) or 0.0)
+    if clip > 0:
+        raise ValueError(f"gradient_clipping={clip} with a model-parallel unit of {_get_model_parallel_world_size()} "
+                         "slices is not available in dsplug: the gradient norm is taken over this slice's data-parallel "
+                         "group only, so each slice would clip by its own norm; remove gradient_clipping")
+    if getattr(precision, "checks_overflow", False):
+        raise ValueError(f"{precision.name} with a model-parallel unit of {_get_model_parallel_world_size()} slices is "
+                         "not available in dsplug: the overflow check and loss scale are agreed over the data-parallel "
+                         "group only, so slices would skip different steps; use bf16 or fp32")
+
+
+def create_expert_groups(module) -> None:
+    """Create the ``"ep_size_<E>"`` groups the module's MoE expert parameters name (``group_name``
+    of every ``allreduce=False`` parameter), as DeepSpeed's engine does, so that a model whose
+    layers have not run yet trains without an explicit set-up call. Every rank calls it."""
+    import re
+
+    names = {getattr(p, "group_name", None) for p in module.parameters() if not getattr(p, "allreduce", True)}
+    for name in sorted(n for n in names if n is not None):
+        match = re.fullmatch(r"ep_size_(\d+)", str(name))
+        if match is None:
+            raise ValueError(f"an expert parameter has group_name={name!r}; expert groups are named "
+                             "'ep_size_<expert parallel size>' (dsplug.moe sets it)")
+        _create_expert_and_data_parallel(int(match.group(1)))
+
+
 def broadcast_module_state(module, dp_comm) -> None:
     """Make every data-parallel replica start from the same weights: each parameter and buffer is
     broadcast from the first rank of the group that holds the same tensor -- the data-parallel

@@ -14,6 +14,8 @@ from dsplug.cli.argtypes import positive_int
 from dsplug.descriptors import ApiModule, CliCommand
 from dsplug.hookspecs import hookimpl
 
+from .elastic import add_elastic_arguments
+
 HELP = "run a training script on local / remote processes (like the deepspeed launcher)"
 DESCRIPTION = """\
 ``dsplug launch``: start a script on one or more nodes, DeepSpeed-launcher style.
@@ -28,6 +30,8 @@ examples:
   dsplug launch --num_procs 4 train.py                       (CPU: 4 processes, gloo)
   dsplug launch --hostfile hosts --include 'worker-0@worker-1:0,2' train.py
   dsplug launch --hostfile hosts --num_nodes 2 --print_only train.py
+  dsplug launch --elastic_training --min_elastic_nodes 1 --max_elastic_nodes 4 --master_addr HOST train.py
+                                                             (elastic: run on each node; nodes may leave / join)
 
 hostfile lines: '<hostname> slots=<N>'; default hostfile: /job/hostfile (absent: this machine).
 """
@@ -61,8 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force_multi", action="store_true",
                    help="use ssh even for a single node (e.g. one remote host)")
     p.add_argument("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
+    p.add_argument("--autotuning", default="", choices=["tune", "run"],
+                   help="tune the config's ZeRO stage and micro-batch size with real experiments first "
+                        "(docs/autotuning.md); 'run' then trains with the best config")
     p.add_argument("--print_only", "--dry_run", dest="print_only", action="store_true",
                    help="print the command for each node instead of running it")
+    add_elastic_arguments(p)
     p.add_argument("user_script", metavar="script", help="the training script (or module / program)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -71,6 +79,7 @@ def run(args) -> int:
     import sys
 
     from . import LaunchError, LaunchRequest, execute, plan_launch
+    from .elastic import elastic_plan
     from .plan import DEFAULT_MASTER_PORT
 
     procs_per_node = args.num_gpus if args.num_gpus is not None else args.num_procs
@@ -93,10 +102,13 @@ def run(args) -> int:
             local_devices=lambda: max(1, int(_accelerator().device_count())),
             visible_devices_env=lambda: getattr(_accelerator(), "visible_devices_env", None) or "CUDA_VISIBLE_DEVICES",
         )
-        plan = plan_launch(request)
+        plan = elastic_plan(plan_launch(request), request, args)
     except LaunchError as exc:
         print(f"dsplug launch: error: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "autotuning", ""):
+        from dsplug.autotuning import run_autotuning  # the autotuning plugin's
+        return run_autotuning(args, plan.resources)
     if args.print_only:
         for node in plan.nodes:
             print(node.display())

@@ -4,12 +4,13 @@
 hook, see :mod:`dsplug.plugins.schedulers`), so ``from deepspeed.runtime.lr_schedules import
 WarmupLR`` keeps working as ``from dsplug.runtime.lr_schedules import WarmupLR``.
 :data:`VALID_LR_SCHEDULES` lists the ``scheduler.type`` names, DeepSpeed's constants name the
-``scheduler.params`` keys. DeepSpeed's command-line tuning helpers (``add_tuning_arguments``
-and friends) are not provided.
+``scheduler.params`` keys; ``add_tuning_arguments`` adds DeepSpeed's convergence-tuning flags
+(the schedules' parameters) to an argparse parser.
 """
 from ._common import WARMUP_LINEAR_RATE, WARMUP_LOG_RATE
 from .lr_range_test import LRRangeTest
 from .one_cycle import OneCycle
+from .tuning_arguments import add_tuning_arguments  # noqa: F401
 from .warmup import WarmupDecayLR, WarmupLR
 from .warmup_cosine import WarmupCosineLR
 
