@@ -581,3 +581,12 @@ def test_rank_major_bucket_equals_padded_columns(world):
         expected = torch.cat([F.pad(g.reshape(-1), (0, world * k - g.numel())).view(world, k)
                               for g, k in zip(grads, sizes)], dim=1)
         assert torch.equal(rank_major_bucket(grads, sizes, world, torch.float32), expected)
+
+
+@pytest.mark.parametrize("zero, expected", [({"stage": 3}, True), ({"stage": 2}, False),
+                                            ({"stage": 3, "overlap_comm": False}, False),
+                                            ({"stage": 1, "overlap_comm": True}, True)])
+def test_overlap_comm_defaults_to_on_at_stage3_only(zero, expected):
+    """DeepSpeed's default for overlap_comm depends on the stage (true at 3); an explicit value wins."""
+    cfg = dsplug.DsplugConfig({"train_batch_size": 2, "zero_optimization": zero}, world_size=1)
+    assert cfg.section("zero_optimization").overlap_comm is expected

@@ -45,7 +45,8 @@ class ZeroConfig:
     stage: int = field(0, ge=0, le=3, doc="0 off; 1 optimizer states; 2 + gradients; 3 + parameters")
     allgather_partitions: bool = field(True, doc="all-gather updated partitions (else broadcasts)")
     allgather_bucket_size: int = field(5 * 10**8, ge=1, doc="elements all-gathered at a time")
-    overlap_comm: bool = field(False, doc="overlap gradient reduction with backward")
+    overlap_comm: bool = field(False, doc="overlap gradient reduction with backward (left out: true at stage 3, "
+                                          "false otherwise, as DeepSpeed decides)")
     reduce_scatter: bool = field(True, doc="reduce gradients with reduce-scatter (else all-reduce)")
     reduce_bucket_size: int = field(5 * 10**8, ge=1, auto=True, doc="elements reduced at a time")
     contiguous_gradients: bool = field(True, doc="copy gradients into one contiguous buffer")
@@ -99,6 +100,8 @@ class ZeroConfig:
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if "overlap_comm" not in data and data.get("stage") == 3:
+            data["overlap_comm"] = True  # DeepSpeed's default depends on the stage: on at 3, off below
         pin = data.pop("cpu_offload_use_pin_memory", None)
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
             if old not in data:
