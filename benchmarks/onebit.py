@@ -1,6 +1,6 @@
 """1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) vs their baselines on the `dsplug train` char LM.
 
-    python benchmarks/onebit.py                     # 2 processes over gloo, 300 steps (~5-6 min on 2 cores)
+    python benchmarks/onebit.py                     # 2 processes over gloo, 300 steps, 8 runs (~11 min on 2 cores)
     python benchmarks/onebit.py --steps 100 --layers 2 --freeze-step 30
     python benchmarks/onebit.py --only AdamW,OneBitAdam --freeze-fractions 0.25
 
@@ -16,12 +16,16 @@ replaced:
 * ``AdamW``       -- the baseline of the two Adam variants (the built-in lr / betas / eps / wd);
 * ``OneBitAdam``  -- the same params + ``freeze_step`` F;
 * ``ZeroOneAdam`` -- the same params + ``var_freeze_step`` F, ``var_update_scaler``,
-  ``local_step_scaler``, ``local_step_clipper``;
+  ``local_step_scaler``, ``local_step_clipper``, scaled to the run as DeepSpeed's BERT recipe
+  scales them to its ~118k steps: ``local_step_scaler`` 28 % of the steps (32678), the clipper
+  16, ``var_update_scaler`` 16 (so the local interval is 1, then 2, then 4 ... by the end);
 * ``Lamb``        -- the baseline of 1-bit LAMB (``--lamb-lr``, the same betas / eps / wd);
 * ``OneBitLamb``  -- Lamb's params + ``freeze_step`` F.
 
-Each 1-bit optimizer runs once per F of ``--freeze-fractions`` (default 25 % and 50 % of the
-steps: DeepSpeed recommends a longer warm-up when the compressed stage loses accuracy).
+OneBitAdam and OneBitLamb run once per F of ``--freeze-fractions`` (default 25 % and 50 % of the
+steps: DeepSpeed recommends a longer warm-up when the compressed stage loses accuracy);
+ZeroOneAdam once per F of ``--zo-freeze-fractions`` (default 20 %, the BERT recipe's share, and
+50 %, the warm-up 1-bit Adam needs on this short run).
 
 Every collective of every rank is counted through ``dsplug.comm.add_listener``: the message
 size the comms logger reports (all_reduce: the tensor; all_gather: the whole output;
@@ -53,11 +57,22 @@ BASELINE = {"AdamW": None, "OneBitAdam": "AdamW", "ZeroOneAdam": "AdamW", "Lamb"
 ORDER = ["AdamW", "OneBitAdam", "ZeroOneAdam", "Lamb", "OneBitLamb"]
 
 
-def freeze_steps(args) -> List[int]:
-    """The F values: ``--freeze-step`` or each of ``--freeze-fractions`` of ``--steps``."""
+def freeze_steps(args, kind: Optional[str] = None) -> List[int]:
+    """The F values of ``kind`` (None: of every 1-bit optimizer): ``--freeze-step`` or each of
+    ``--freeze-fractions`` (``--zo-freeze-fractions`` for ZeroOneAdam) of ``--steps``."""
     if args.freeze_step is not None:
         return [args.freeze_step]
-    return sorted({int(round(x * args.steps)) for x in args.freeze_fractions})
+    if kind is None:
+        return sorted(set(freeze_steps(args, "OneBitAdam")) | set(freeze_steps(args, "ZeroOneAdam")))
+    fractions = args.zo_freeze_fractions if kind == "ZeroOneAdam" else args.freeze_fractions
+    return sorted({int(round(x * args.steps)) for x in fractions})
+
+
+def local_step_scaler(args) -> int:
+    """``--local-step-scaler``, or ``--local-step-scaler-fraction`` of ``--steps``."""
+    if args.local_step_scaler is not None:
+        return args.local_step_scaler
+    return max(1, int(round(args.local_step_scaler_fraction * args.steps)))
 
 
 def plan(args) -> List[tuple]:
@@ -69,7 +84,7 @@ def plan(args) -> List[tuple]:
         if BASELINE[kind] is None:
             runs.append((kind, kind, None))
         else:
-            fs = freeze_steps(args)
+            fs = freeze_steps(args, kind)
             runs.extend((kind if len(fs) == 1 else f"{kind} F={f}", kind, f) for f in fs)
     return runs
 
@@ -90,7 +105,7 @@ def optimizer_section(kind: str, f: Optional[int], args, adam_params: Dict[str, 
         params["freeze_step"] = f
     if kind == "ZeroOneAdam":
         params.update(var_freeze_step=f, var_update_scaler=args.var_update_scaler,
-                      local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
+                      local_step_scaler=local_step_scaler(args), local_step_clipper=args.local_step_clipper)
     return {"type": kind, "params": params}
 
 
@@ -202,6 +217,19 @@ def _model_params(args, vocab_size: int):
 
 
 # ------------------------------------------------------------------------------ report
+def _local_intervals(f: int, args) -> str:
+    """0/1 Adam's local-step interval over the steps after ``f`` (as the optimizer schedules it)."""
+    scaler, parts, interval, start = local_step_scaler(args), [], 1, f + 1
+    while start <= args.steps:
+        end = min(args.steps, start + scaler - 1)
+        parts.append(f"{interval} (steps {start}-{end})")
+        if interval == args.local_step_clipper:
+            parts[-1] = f"{interval} (steps {start}-{args.steps})"
+            break
+        interval, start = min(2 * interval, args.local_step_clipper), end + 1
+    return ", ".join(parts) or "none (no step after F)"
+
+
 def _mean(values: List[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
@@ -236,8 +264,10 @@ def report(out: Dict[str, Any], args) -> None:
     print(f"Adam-type params: lr {adam['lr']}, betas {adam['betas']}, eps {adam['eps']}, weight_decay "
           f"{adam['weight_decay']}; Lamb-type: lr {args.lamb_lr}, same betas / eps / weight_decay")
     print(f"F: OneBitAdam / OneBitLamb freeze_step, ZeroOneAdam var_freeze_step (var_update_scaler "
-          f"{args.var_update_scaler}, local_step_scaler {args.local_step_scaler}, local_step_clipper "
+          f"{args.var_update_scaler}, local_step_scaler {local_step_scaler(args)}, local_step_clipper "
           f"{args.local_step_clipper}). Baselines: AdamW for OneBitAdam / ZeroOneAdam, Lamb for OneBitLamb.")
+    for f in freeze_steps(args, "ZeroOneAdam"):
+        print(f"ZeroOneAdam F={f}: steps between synchronisations {_local_intervals(f, args)}")
     print()
     print(f"{'optimizer':<20}{'vs':<7}{'F':>4}{'msg B/step':>12}{'x fewer':>9}{'wire B/step':>13}{'x fewer':>9}"
           f"{'run msg B/st':>14}{'x fewer':>9}{'held-out':>10}{'rel diff':>10}{'ms/step':>9}{'x':>6}"
@@ -284,11 +314,17 @@ def main(argv=None) -> None:
                         help="F values (freeze_step / var_freeze_step) as fractions of --steps; each 1-bit optimizer "
                              "runs once per F")
     parser.add_argument("--freeze-step", type=int, default=None, help="one F in steps (overrides the fractions)")
+    parser.add_argument("--zo-freeze-fractions", type=lambda s: [float(x) for x in s.split(",")],
+                        default=[0.2, 0.5], help="ZeroOneAdam's var_freeze_step values as fractions of --steps")
     parser.add_argument("--var-update-scaler", type=int, default=16, help="ZeroOneAdam (DeepSpeed default 16)")
-    parser.add_argument("--local-step-scaler", type=int, default=20,
-                        help="ZeroOneAdam: steps after which the local-step interval doubles (DeepSpeed default "
-                             "32678; its docs' example 1000)")
-    parser.add_argument("--local-step-clipper", type=int, default=8, help="ZeroOneAdam: largest local-step interval")
+    parser.add_argument("--local-step-scaler", type=int, default=None,
+                        help="ZeroOneAdam: steps after which the local-step interval doubles (default: "
+                             "--local-step-scaler-fraction of --steps)")
+    parser.add_argument("--local-step-scaler-fraction", type=float, default=0.28,
+                        help="ZeroOneAdam: local_step_scaler as a fraction of --steps (DeepSpeed's BERT recipe: "
+                             "32678 of ~118k steps)")
+    parser.add_argument("--local-step-clipper", type=int, default=16,
+                        help="ZeroOneAdam: largest local-step interval (DeepSpeed default 16)")
     parser.add_argument("--lamb-lr", type=float, default=0.04, help="lr of Lamb and OneBitLamb")
     parser.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)

@@ -3,6 +3,7 @@ packing, and in 2 real processes over gloo convergence of the error feedback, id
 on every rank, the bytes on the wire, and equality with a single-process reference."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -86,6 +87,56 @@ def _reference(inputs, rounds):
     return result, total, worker_err, server_err
 
 
+def _segment_scales(x, bounds):
+    """Per piece [a, b) of ``bounds``: ||x[a:b]|| / sqrt(b - a) repeated over the piece."""
+    return torch.cat([torch.full((b - a,), float(torch.linalg.vector_norm(x[a:b]) / math.sqrt(b - a)))
+                      for a, b in bounds])
+
+
+def _segmented_reference(inputs, rounds, lengths):
+    """The per-segment algorithm for len(inputs) simulated ranks: a worker scale per segment
+    (``lengths``, the rest of the buffer one more), a server scale per (segment, chunk) piece."""
+    world, n = len(inputs), inputs[0].numel()
+    chunk = n // world
+    ends = list(itertools.accumulate(lengths))
+    ends = ends + [n] if ends[-1] < n else ends
+    segs = list(zip([0] + ends[:-1], ends))
+    worker_err = [torch.zeros(n) for _ in inputs]
+    server_err = [torch.zeros(chunk) for _ in inputs]
+    for _ in range(rounds):
+        compressed = []
+        for r in range(world):
+            x = inputs[r] + worker_err[r]
+            compressed.append(_segment_scales(x, segs) * _sign(x))
+            worker_err[r] = x - compressed[r]
+        out = []
+        for s in range(world):
+            lo, hi = s * chunk, (s + 1) * chunk
+            pieces = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in segs if a < hi and b > lo]
+            y = sum(compressed[r][lo:hi] for r in range(world)) / world + server_err[s]
+            c = _segment_scales(y, pieces) * _sign(y)
+            server_err[s] = y - c
+            out.append(c)
+        result = torch.cat(out)
+    return result, worker_err, server_err
+
+
+def test_segmented_world_of_one_is_the_reference():
+    x = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    x[:16] *= 1000.0
+    buf, we, se = x.clone(), torch.zeros(64), torch.zeros(64)
+    reduce = CompressedAllReduce(None, 1, 0)
+    for _ in range(3):
+        buf.copy_(x)
+        reduce(buf, we, se, segments=[16, 30])  # three segments: 16, 30 and the last 18
+    result, (want_we,), (want_se,) = _segmented_reference([x], 3, [16, 30])
+    assert torch.allclose(buf, result, rtol=1e-5) and torch.allclose(we, want_we, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="positive lengths"):
+        reduce(buf, we, se, segments=[16, 0])
+    with pytest.raises(ValueError, match="cover 70 elements, more than the buffer's 64"):
+        reduce(buf, we, se, segments=[16, 54])
+
+
 def test_world_of_one_is_the_reference_for_one_rank():
     x = torch.randn(64, generator=torch.Generator().manual_seed(3))
     buf, we, se = x.clone(), torch.zeros(64), torch.zeros(64)
@@ -104,6 +155,22 @@ def test_world_of_one_is_the_reference_for_one_rank():
 def _inputs():
     g = torch.Generator().manual_seed(1234)
     return [torch.randn(N, generator=g) * (1 + r) + r for r in range(WORLD)]
+
+
+#: three tensors laid end to end (the rest of the N elements is a fourth): magnitudes 1e3, 1e-3, 1
+SEGMENTS = (1000, 1500, 600)
+SEGMENT_ROUNDS = 5
+
+
+def _mixed_inputs():
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for r in range(WORLD):
+        x = torch.randn(N, generator=g)
+        x[:1000] *= 1e3
+        x[1000:2500] *= 1e-3
+        out.append(x)
+    return out
 
 
 class _Recorder:
@@ -134,12 +201,27 @@ def _compressed_run():
             out["mean_error"][t] = total / t
     out.update(buf=buf.clone(), total=total, worker_err=worker_err, server_err=server_err)
 
+    # per-segment scales: a few rounds of the mixed-magnitude input, with and without segments
+    mixed = _mixed_inputs()[rank]
+    for key, segments in (("segmented", list(SEGMENTS)), ("shared", None)):
+        buf, worker_err, server_err = torch.empty(N), torch.zeros(N), torch.zeros(N // world)
+        first = None
+        for _ in range(SEGMENT_ROUNDS):
+            buf.copy_(mixed)
+            reduce(buf, worker_err, server_err, segments=segments)
+            first = buf.clone() if first is None else first
+        out[key] = {"first": first, "buf": buf.clone(), "worker_err": worker_err.clone(),
+                    "server_err": server_err.clone()}
+
     # the bytes of one call on a 1M-element buffer, and of an all-reduce of the same buffer
     recorder = _Recorder()
     comm.add_listener(recorder)
     big = torch.randn(BIG, generator=torch.Generator().manual_seed(rank))
     reduce(big, torch.zeros(BIG), torch.zeros(BIG // world))
     out["compressed_calls"] = list(recorder.calls)
+    recorder.calls.clear()
+    reduce(big, torch.zeros(BIG), torch.zeros(BIG // world), segments=[BIG // 2 - 8, 16])
+    out["segmented_calls"] = list(recorder.calls)
     recorder.calls.clear()
     comm.all_reduce(torch.randn(BIG))
     out["all_reduce_calls"] = list(recorder.calls)
@@ -211,3 +293,47 @@ def test_only_packed_signs_and_scales_travel(compressed):
         wire = sum(n * bus_factor(op, WORLD) for op, n in out["compressed_calls"])
         all_reduce_wire = 4 * BIG * bus_factor("all_reduce", WORLD)
         assert all_reduce_wire / wire == pytest.approx(32, rel=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_segmented_result_equals_the_single_process_reference(compressed):
+    want, worker_err, server_err = _segmented_reference(_mixed_inputs(), SEGMENT_ROUNDS, list(SEGMENTS))
+
+    def close(got, ref, offset=0):
+        # the scales are sums in another order: equal to float32 rounding of each segment's size
+        for a, b in ((0, 1000), (1000, 2500), (2500, 3100), (3100, N)):
+            a, b = max(a - offset, 0), min(b - offset, got.numel())
+            if a < b:
+                size = float(ref[a:b].abs().max())
+                assert torch.allclose(got[a:b], ref[a:b], rtol=1e-4, atol=1e-5 * size), (a, b)
+
+    for rank, out in enumerate(compressed):
+        got = out["segmented"]
+        assert torch.equal(got["buf"], compressed[0]["segmented"]["buf"])  # identical on every rank
+        close(got["buf"], want)
+        close(got["worker_err"], worker_err[rank])
+        close(got["server_err"], server_err[rank], offset=rank * (N // WORLD))
+
+
+@pytest.mark.multiprocess
+def test_a_scale_per_segment_keeps_each_tensors_error_relative_to_its_own_size(compressed):
+    """One shared scale turns the 1e-3 tensor into noise the size of the 1e3 one; a scale per
+    segment bounds every tensor's error by its own magnitude (1-bit error <= the input's norm)."""
+    exact = sum(_mixed_inputs()) / WORLD
+    bounds = [(0, 1000), (1000, 2500), (2500, 3100), (3100, N)]
+
+    def relative_errors(result):
+        return [float((result[a:b] - exact[a:b]).norm() / exact[a:b].norm()) for a, b in bounds]
+
+    segmented = relative_errors(compressed[0]["segmented"]["first"])
+    shared = relative_errors(compressed[0]["shared"]["first"])
+    assert max(segmented) < 1.5, segmented
+    assert shared[1] > 1e4 and shared[1] > 1e4 * segmented[1], shared
+
+
+@pytest.mark.multiprocess
+def test_segmented_scales_cost_one_float_per_segment_and_piece(compressed):
+    for out in compressed:
+        # segments: 524280, 16 and the rest (524280); server chunks of 524288: pieces 2 and 2
+        assert out["segmented_calls"] == [("all_to_all_single", BIG // 8), ("all_gather", 4 * 3 * WORLD),
+                                          ("all_gather", BIG // 8), ("all_gather", 4 * 2 * WORLD)]

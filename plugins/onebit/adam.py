@@ -37,25 +37,32 @@ import torch
 
 from dsplug.plugins.optimizers.multi_tensor import adam_buckets
 
-from .common import OneBitOptimizer
+from .common import OneBitOptimizer, check_deepspeed_arguments
 
 
 class OnebitAdam(OneBitOptimizer):
-    """1-bit Adam. Arguments as DeepSpeed's ``OnebitAdam`` (``lr=1e-3, freeze_step=100000,
-    bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0``) plus the data-parallel
-    ``comm`` / ``rank`` / ``world_size`` / ``group``."""
+    """1-bit Adam, with DeepSpeed's ``OnebitAdam`` signature and defaults (``deepspeed=None,
+    lr=1e-3, freeze_step=100000, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+    eps_inside_sqrt=False, weight_decay=0, max_grad_norm=0, amsgrad=False, cuda_aware=False,
+    comm_backend_name='nccl'``; see :data:`.common.INERT_ARGUMENTS`) plus the keyword-only
+    data-parallel ``comm`` / ``rank`` / ``world_size`` / ``group`` (see :class:`.common.OneBitOptimizer`)."""
 
     NAME = "OneBitAdam"
 
-    def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True,
-                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *, comm=None, rank: int = 0,
-                 world_size: int = 1, group=None):
+    def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
+                 bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
+                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, amsgrad: bool = False,
+                 cuda_aware: bool = False, comm_backend_name: str = "nccl", *, comm=None, rank=None, world_size=None,
+                 group=None):
+        check_deepspeed_arguments(self.NAME, amsgrad, eps_inside_sqrt=eps_inside_sqrt, max_grad_norm=max_grad_norm,
+                                  cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
         if int(freeze_step) < 0:
             raise ValueError(f"{self.NAME}: freeze_step must be >= 0, got {freeze_step!r}")
         self.freeze_step = int(freeze_step)
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
-        super().__init__(params, defaults, comm=comm, rank=rank, world_size=world_size, group=group)
+        super().__init__(params, defaults, comm=comm, rank=rank, world_size=world_size, group=group,
+                         deepspeed=deepspeed)
 
     def compressing(self, step: int) -> bool:
         return step > self.freeze_step

@@ -13,7 +13,10 @@ uses one scale per rank (||x|| / sqrt(numel)), so tensors of very different magn
 it. When a parameter's compression starts, from the momentum m_j then (identical on all ranks):
 ``r_j = ||m_j|| / sqrt(numel_j)``, ``s_j = mean_k(r_k) / r_j`` (1 where r_j = 0); kept in the
 parameter's state as ``scaling_coeff``. It changes what is lost to compression, not what is
-averaged. (DeepSpeed's 1-bit Adam / 0/1 Adam compress each tensor separately instead.)
+averaged. 1-bit Adam and 1-bit LAMB use them (as DeepSpeed's 1-bit LAMB does); 0/1 Adam instead
+gives every tensor its own compression scale (``compressed_average_`` without coefficients, as
+DeepSpeed compresses each tensor separately), since its coefficients would be fixed early in the
+lr warm-up and its accumulated updates change their relative sizes over training.
 
 **Zero-variance mask** (DeepSpeed's ``exp_avg_mask``, made automatic): 1-bit compression cannot
 represent an exact zero, and an element whose second moment v is exactly 0 (it never had a
@@ -36,7 +39,7 @@ from __future__ import annotations
 import abc
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -78,12 +81,38 @@ def scaling_coefficients(tensors: Sequence[torch.Tensor]) -> List[float]:
     return [united / r if r > 0 and united > 0 else 1.0 for r in rms]
 
 
+#: DeepSpeed's constructor arguments that have no effect here: name -> (DeepSpeed's default, why)
+INERT_ARGUMENTS = {
+    "eps_inside_sqrt": (False, "DeepSpeed's 1-bit optimizers accept and ignore it"),
+    "max_grad_norm": (0.0, "DeepSpeed's 1-bit optimizers accept and ignore it; use gradient_clipping"),
+    "cuda_aware": (False, "dsplug moves tensors as its comm backend needs; CUDA-aware MPI is not used"),
+    "comm_backend_name": ("nccl", "dsplug always communicates through its comm layer's process group"),
+}
+
+
+def check_deepspeed_arguments(name: str, amsgrad, **inert) -> None:
+    """DeepSpeed's extra constructor arguments: ``amsgrad`` must be false; the others warn when
+    given a non-default value (they change nothing here)."""
+    if amsgrad:
+        raise ValueError(f"{name}: amsgrad=True is not supported (the 1-bit optimizers have no AMSGrad variant)")
+    import warnings
+
+    for key, value in inert.items():
+        default, why = INERT_ARGUMENTS[key]
+        if value != default:
+            warnings.warn(f"{name}: {key}={value!r} has no effect in dsplug ({why})", stacklevel=3)
+
+
 class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base of OnebitAdam, ZeroOneAdam and OnebitLamb.
 
     ``comm`` / ``rank`` / ``world_size`` / ``group``: the data-parallel group (the factory takes
     them from the engine's :class:`dsplug.context.BuildContext`); with ``world_size`` 1 nothing
-    is communicated or compressed.
+    is communicated or compressed. When none of the three is given (an instance built the way
+    DeepSpeed's constructors are called, ``OnebitAdam(params, deepspeed=engine, lr=...)``), the
+    group is dsplug's comm world, looked up when the optimizer is first used (so it may be built
+    before ``init_distributed``); ``deepspeed`` (DeepSpeed's engine argument) is kept and not
+    needed: the engine asks :meth:`communicates_gradients` instead.
     """
 
     #: ZeRO stages 1-3 hand an optimizer flat slices mixing parameters: these compress and scale
@@ -94,12 +123,14 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     #: per-parameter state that differs between ranks while :meth:`ranks_diverge`
     LOCAL_KEYS: Sequence[str] = ()
 
-    def __init__(self, params, defaults: dict, comm=None, rank: int = 0, world_size: int = 1, group=None):
+    def __init__(self, params, defaults: dict, comm=None, rank=None, world_size=None, group=None, deepspeed=None):
         check_hyperparameters(self.NAME, defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
         super().__init__(params, defaults)
+        self.deepspeed = deepspeed
+        self._world_from_comm = comm is None and rank is None and world_size is None and group is None
         self.comm = comm
-        self.rank = int(rank)
-        self.world_size = int(world_size)
+        self.rank = int(rank or 0)
+        self.world_size = int(1 if world_size is None else world_size)
         self.dp_group = group
         if self.world_size > 1 and comm is None:
             raise ValueError(f"{self.NAME}: world_size {self.world_size} needs the comm layer (comm=dsplug.comm)")
@@ -115,7 +146,17 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
 
     @property
     def distributed(self) -> bool:
+        if self._world_from_comm:
+            self._bind_comm_world()
         return self.world_size > 1
+
+    def _bind_comm_world(self) -> None:
+        """Built without a group: take dsplug's comm world once it is initialized."""
+        from dsplug import comm
+
+        if comm.is_initialized():
+            self.comm, self.rank, self.world_size = comm, comm.get_rank(), comm.get_world_size()
+            self._world_from_comm = False
 
     @abc.abstractmethod
     def communicates_gradients(self) -> bool:
@@ -172,6 +213,7 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     def rank_state_dict(self) -> dict:
         """This rank's own part of the state: the error-feedback buffers and, while
         :meth:`ranks_diverge`, the ``LOCAL_KEYS`` state of every parameter (by position)."""
+        self.distributed  # noqa: B018 -- binds the comm world of an instance built without one
         out = {"world_size": self.world_size, "groups": [dict(b) for b in self.group_buffers]}
         if self.ranks_diverge():
             local = {}
@@ -185,6 +227,7 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     def load_rank_state_dict(self, saved: dict) -> bool:
         """Take back :meth:`rank_state_dict` (after ``load_state_dict``). False (and the error
         buffers restart from zero) when it was saved at another world size."""
+        self.distributed  # noqa: B018 -- binds the comm world of an instance built without one
         if not saved or int(saved.get("world_size", -1)) != self.world_size:
             for buffers in self.group_buffers:
                 for t in buffers.values():
@@ -241,11 +284,17 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
                 st["scaling_coeff"] = s
         return [st["scaling_coeff"] for st in states]
 
-    def compressed_average_(self, group_index: int, tensors: Sequence[torch.Tensor], scales: Sequence[float]) -> None:
+    def compressed_average_(self, group_index: int, tensors: Sequence[torch.Tensor],
+                            scales: Optional[Sequence[float]] = None) -> None:
         """Average ``tensors`` over the ranks in place through the 1-bit compressed all-reduce
-        (see the module docstring); a no-op in a world of one."""
+        (see the module docstring); a no-op in a world of one. ``scales``: the tensors' scaling
+        coefficients (one compression scale for the buffer), or None for a compression scale per
+        tensor (no coefficients needed)."""
         if not self.distributed or not tensors:
             return
+        per_tensor = scales is None
+        if per_tensor:
+            scales = [1.0] * len(tensors)
         from .compressed import CompressedAllReduce, padded_numel
 
         if self._compressor is None:
@@ -263,7 +312,8 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
         flat = torch.zeros(size, dtype=torch.float32, device=device)
         flat[:n].copy_(torch.cat([t.reshape(-1).float() * s if s != 1.0 else t.reshape(-1).float()
                                   for t, s in zip(tensors, scales)]))
-        self._compressor(flat, buffers["worker_error"], buffers["server_error"])
+        segments = [t.numel() for t in tensors if t.numel()] if per_tensor else None
+        self._compressor(flat, buffers["worker_error"], buffers["server_error"], segments=segments)
         offset = 0
         for t, s in zip(tensors, scales):
             piece = flat[offset:offset + t.numel()].view(t.shape)

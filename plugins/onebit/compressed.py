@@ -11,10 +11,19 @@ Both compressions keep what they lost in an error buffer that is added back on t
 (error feedback), so that over many calls the compression errors cancel: the running sum of the
 results differs from the running sum of the exact averages by only the current error buffers.
 The caller owns the error buffers (the optimizer checkpoints them).
+
+**Scale granularity.** By default a rank's whole buffer shares one worker scale and each server
+chunk one server scale. With ``segments`` (the lengths of the tensors laid end to end in the
+buffer) every tensor gets its own worker scale and every (tensor, server chunk) piece its own
+server scale -- DeepSpeed's per-tensor granularity for 1-bit Adam / 0/1 Adam -- for the price
+of one float32 per tensor (and per piece) instead of one per rank in the two scale gathers. One
+scale shared by tensors of very different magnitudes turns the small ones into noise of the size
+of the large ones; per-tensor scales keep each tensor's compression relative to its own size.
 """
 from __future__ import annotations
 
 import math
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,6 +103,7 @@ class CompressedAllReduce:
         self.world_size = world_size
         self.rank = rank
         self.group = group
+        self._plans: Dict[Tuple, "_SegmentPlan"] = {}
 
     def _check(self, buffer, worker_error, server_error):
         n = buffer.numel()
@@ -110,8 +120,15 @@ class CompressedAllReduce:
             if not t.is_contiguous():
                 raise ValueError(f"CompressedAllReduce: {name} must be contiguous")
 
-    def __call__(self, buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
+    def __call__(self, buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                 segments: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Average ``buffer`` in place (see the class docstring). ``segments``: None for one scale
+        per rank buffer / server chunk, or the positive lengths of consecutive segments from the
+        start of the buffer (what they leave at the end is one more segment) for a scale per
+        segment / per (segment, chunk) piece (see the module docstring)."""
         self._check(buffer, worker_error, server_error)
+        if segments is not None:
+            return self._segmented(buffer, worker_error, server_error, self._plan(buffer, segments))
         world = self.world_size
         flat, worker_err, server_err = buffer.view(-1), worker_error.view(-1), server_error.view(-1)
         n = flat.numel()
@@ -147,3 +164,96 @@ class CompressedAllReduce:
             self.comm.all_gather_into_tensor(server_scales, server_scale, group=self.group)
         flat.view(world, chunk).copy_(unpack_signs(gathered, n).view(world, chunk).mul_(server_scales.view(world, 1)))
         return buffer
+
+    # ------------------------------------------------------------------ per-segment scales
+    def _plan(self, buffer: torch.Tensor, segments: Sequence[int]) -> "_SegmentPlan":
+        n = buffer.numel()
+        key = (n, tuple(int(k) for k in segments), buffer.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            lengths = list(key[1])
+            if any(k < 1 for k in lengths):
+                raise ValueError(f"CompressedAllReduce: segments must be positive lengths, got {lengths}")
+            if sum(lengths) > n:
+                raise ValueError(f"CompressedAllReduce: segments cover {sum(lengths)} elements, more than the "
+                                 f"buffer's {n}")
+            if sum(lengths) < n:
+                lengths.append(n - sum(lengths))
+            plan = _SegmentPlan(lengths, n, self.world_size, buffer.device)
+            self._plans[key] = plan  # one per param group layout
+        return plan
+
+    def _segmented(self, buffer, worker_error, server_error, plan: "_SegmentPlan") -> torch.Tensor:
+        world, rank = self.world_size, self.rank
+        flat, worker_err, server_err = buffer.view(-1), worker_error.view(-1), server_error.view(-1)
+        n = flat.numel()
+        chunk = n // world
+
+        # 1. worker compression, one scale per segment
+        x = flat + worker_err
+        worker_scale = plan.scales(x, plan.segment_ids, plan.segment_lengths)
+        worker_signs = pack_signs(x)
+        worker_err.copy_(x).sub_(unpack_signs(worker_signs, n).mul_(worker_scale[plan.segment_ids]))
+        del x
+
+        # 2. chunk r of every rank's signs to rank r; every rank's segment scales to all
+        if world == 1:
+            received, worker_scales = worker_signs, worker_scale.view(1, -1)
+        else:
+            received = torch.empty_like(worker_signs)
+            self.comm.all_to_all_single(received, worker_signs, group=self.group)
+            worker_scales = torch.empty(world * plan.num_segments, dtype=torch.float32, device=flat.device)
+            self.comm.all_gather_into_tensor(worker_scales, worker_scale, group=self.group)
+            worker_scales = worker_scales.view(world, plan.num_segments)
+
+        # 3. server: average the ranks' compressed chunk, compress it with a scale per piece
+        mine = plan.segment_ids[rank * chunk:(rank + 1) * chunk]
+        y = unpack_signs(received, n).view(world, chunk).mul_(worker_scales[:, mine]).sum(dim=0)
+        y.div_(world).add_(server_err)
+        server_scale = plan.scales(y, plan.piece_ids[rank], plan.piece_lengths[rank])
+        server_signs = pack_signs(y)
+        server_err.copy_(y).sub_(unpack_signs(server_signs, chunk).mul_(server_scale[plan.piece_ids[rank]]))
+        del y
+
+        # 4. every rank gathers the server chunks and their piece scales, and decompresses
+        if world == 1:
+            gathered, server_scales = server_signs, server_scale.view(1, -1)
+        else:
+            gathered = torch.empty(n // 8, dtype=torch.uint8, device=flat.device)
+            self.comm.all_gather_into_tensor(gathered, server_signs, group=self.group)
+            server_scales = torch.empty(world * plan.max_pieces, dtype=torch.float32, device=flat.device)
+            self.comm.all_gather_into_tensor(server_scales, server_scale, group=self.group)
+            server_scales = server_scales.view(world, plan.max_pieces)
+        per_element = torch.gather(server_scales, 1, plan.piece_ids_all)
+        flat.view(world, chunk).copy_(unpack_signs(gathered, n).view(world, chunk).mul_(per_element))
+        return buffer
+
+
+class _SegmentPlan:
+    """Index tensors of one buffer layout: each element's segment, and its piece (segment ∩
+    server chunk) numbered from 0 within its chunk. Segments are contiguous, so the pieces of a
+    chunk are its segments from the first one it touches."""
+
+    def __init__(self, lengths, n: int, world: int, device):
+        chunk = n // world
+        self.num_segments = len(lengths)
+        self.segment_lengths = torch.tensor(lengths, dtype=torch.float32, device=device)
+        self.segment_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                                   torch.tensor(lengths, device=device))
+        by_chunk = self.segment_ids.view(world, chunk)
+        self.piece_ids_all = by_chunk - by_chunk[:, :1]  # (world, chunk)
+        counts = (self.piece_ids_all[:, -1] + 1).tolist()
+        self.max_pieces = int(max(counts))
+        self.piece_ids = [self.piece_ids_all[r] for r in range(world)]
+        self.piece_lengths = []
+        for r in range(world):
+            lens = torch.zeros(self.max_pieces, dtype=torch.float32, device=device)
+            lens.index_add_(0, self.piece_ids[r], torch.ones(chunk, dtype=torch.float32, device=device))
+            self.piece_lengths.append(lens.clamp_min_(1.0))  # unused slots: 0 / 1 = 0
+
+    @staticmethod
+    def scales(x: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """sqrt(mean of x² over each id) (= ||x_id|| / sqrt(numel_id)); float32 of len(lengths)."""
+        sums = torch.zeros(lengths.numel(), dtype=torch.float32, device=x.device)
+        sums.index_add_(0, ids, x * x)
+        return sums.div_(lengths).sqrt_()

@@ -49,21 +49,28 @@ import torch
 from dsplug.plugins.optimizers.lamb_optimizer import trust_ratios
 from dsplug.plugins.optimizers.multi_tensor import adam_buckets, bias_corrections, update_moments
 
-from .common import OneBitOptimizer
+from .common import OneBitOptimizer, check_deepspeed_arguments
 
 
 class OnebitLamb(OneBitOptimizer):
-    """1-bit LAMB. Arguments as DeepSpeed's ``OnebitLamb`` (``lr=1e-3, freeze_step=100000,
-    bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, max_coeff=10.0,
-    min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1``)
-    plus ``comm`` / ``rank`` / ``world_size`` / ``group``."""
+    """1-bit LAMB, with DeepSpeed's ``OnebitLamb`` signature and defaults (``deepspeed=None,
+    lr=1e-3, freeze_step=100000, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+    eps_inside_sqrt=False, weight_decay=0, max_grad_norm=0, max_coeff=10.0, min_coeff=0.01,
+    amsgrad=False, cuda_aware=False, comm_backend_name='nccl', coeff_beta=0.9, factor_max=4.0,
+    factor_min=0.5, factor_threshold=0.1``; see :data:`.common.INERT_ARGUMENTS`) plus the
+    keyword-only ``comm`` / ``rank`` / ``world_size`` / ``group`` (see :class:`.common.OneBitOptimizer`)."""
 
     NAME = "OneBitLamb"
 
-    def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True,
-                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, max_coeff: float = 10.0,
-                 min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, *, comm=None, rank: int = 0, world_size: int = 1, group=None):
+    def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
+                 bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
+                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
+                 min_coeff: float = 0.01, amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: str = "nccl", coeff_beta: float = 0.9, factor_max: float = 4.0,
+                 factor_min: float = 0.5, factor_threshold: float = 0.1, *, comm=None, rank=None, world_size=None,
+                 group=None):
+        check_deepspeed_arguments(self.NAME, amsgrad, eps_inside_sqrt=eps_inside_sqrt, max_grad_norm=max_grad_norm,
+                                  cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
         if int(freeze_step) < 0:
             raise ValueError(f"{self.NAME}: freeze_step must be >= 0, got {freeze_step!r}")
         if not 0.0 <= min_coeff <= max_coeff:
@@ -78,7 +85,8 @@ class OnebitLamb(OneBitOptimizer):
         self.factor_threshold = float(factor_threshold)
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, comm=comm, rank=rank, world_size=world_size, group=group)
+        super().__init__(params, defaults, comm=comm, rank=rank, world_size=world_size, group=group,
+                         deepspeed=deepspeed)
         self.lamb_coeffs: List[float] = []
 
     def compressing(self, step: int) -> bool:

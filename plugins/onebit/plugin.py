@@ -14,6 +14,10 @@ are in :mod:`.adam`, :mod:`.zoadam` and :mod:`.lamb`; what they share in :mod:`.
   each rank's own error-feedback buffers (and, in the middle of a 0/1 Adam local-step window,
   its own parameters and momentum) to that rank's file, so a resumed run continues exactly.
 
+* DeepSpeed's import paths ``deepspeed.runtime.fp16.onebit[.adam|.zoadam|.lamb]`` (and the
+  ``dsplug.runtime.fp16.onebit`` ones) give the classes, with DeepSpeed's names and constructor
+  signatures, through the ``dsplug_api_modules`` hook below (:data:`API_PATHS`).
+
 Nothing here imports torch at module level (plugin modules are imported at discovery).
 """
 from __future__ import annotations
@@ -192,6 +196,22 @@ def dsplug_optimizers():
                    summary="1-bit LAMB: LAMB warm-up, then frozen variance and trust ratio, 1-bit momentum "
                            "(stage 0)"),
     ]
+
+
+#: DeepSpeed's import paths of the three classes (``deepspeed.runtime.fp16.onebit.adam.OnebitAdam``, ...)
+API_PATHS = {
+    "dsplug.runtime.fp16.onebit": "dsplug.plugins.onebit.api",
+    "dsplug.runtime.fp16.onebit.adam": "dsplug.plugins.onebit.adam",
+    "dsplug.runtime.fp16.onebit.zoadam": "dsplug.plugins.onebit.zoadam",
+    "dsplug.runtime.fp16.onebit.lamb": "dsplug.plugins.onebit.lamb",
+}
+
+
+@hookimpl
+def dsplug_api_modules():
+    from dsplug.descriptors import ApiModule
+
+    return [ApiModule(path, target) for path, target in API_PATHS.items()]
 
 
 # ----------------------------------------------------------------------------- per-rank checkpoint state
