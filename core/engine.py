@@ -110,7 +110,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.module.to(self.device)
         if self.precision.model_dtype not in (None, torch.float32):
             self.module.to(self.precision.model_dtype)
-        groups.create_expert_groups(self.module)  # MoE: the groups its experts name (no-op without)
+        #: MoE: the expert groups the module's experts name on any rank (created; [] without experts)
+        self.expert_groups = groups.create_expert_groups(self.module)
         if self.world_size > 1:
             groups.broadcast_module_state(self.module, self.context.comm)
 

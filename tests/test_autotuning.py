@@ -10,6 +10,8 @@ import json
 import math
 import os
 import re
+import signal
+import time
 
 import pytest
 import torch
@@ -374,6 +376,112 @@ def test_requests_that_cannot_be_carried_out(tmp_path, monkeypatch, capsys):
     assert "--print_only cannot be combined" in capsys.readouterr().err
     assert run_autotuning(_args(tmp_path, {"autotuning": {"mp_size": 4}}), {"localhost": [0, 1]}) == 2
     assert "mp_size 4" in capsys.readouterr().err
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.parametrize("fixed,count,expected", [
+    # 48 / 2 ranks = 24 per rank: geometric 1, 5, 24 -> 5 snaps to 6 (log-nearest divisor of 24)
+    ({"train_batch_size": 48}, 3, [1, 6, 24]),
+    # geometric 1, 2, 5, 11, 24 -> 5 to 6, 11 to 12
+    ({"train_batch_size": 48}, 5, [1, 2, 6, 12, 24]),
+    # gas fixed at 4: the only micro-batch size is 48 / (2 x 4) = 6
+    ({"train_batch_size": 48, "gradient_accumulation_steps": 4}, 3, [6]),
+])
+def test_fixed_train_batch_tunes_sizes_that_divide_it(tmp_path, monkeypatch, fixed, count, expected):
+    monkeypatch.chdir(tmp_path)
+    config = {**fixed, "zero_optimization": {"stage": 0},
+              "autotuning": {"tuner_type": "gridsearch", "num_tuning_micro_batch_sizes": count,
+                             "model_info": {"num_params": 100}}}
+    runner = StandInRunner(lambda c: float(c.micro_batch), {})
+    tuner = Autotuner(_args(tmp_path, config), {"localhost": [0, 1]}, stream=io.StringIO(), runner=runner)
+    tuner.tune()
+    done = [e.candidate for e in tuner.experiments if e.status == "done"]
+    assert [c.micro_batch for c in done] == expected
+    assert all(e.status == "done" for e in tuner.experiments)  # nothing skipped for its batch settings
+    for c in done:  # every experiment keeps the user's batch: mbs x gas x 2 ranks = 48, mbs divides 24
+        assert c.train_batch == 48 == c.micro_batch * c.gas * 2 and c.micro_batch in _divisors(24)
+    assert tuner.best.candidate.micro_batch == expected[-1]
+
+
+def test_fixed_train_batch_that_no_size_fits_is_reported(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = {"train_batch_size": 47, "zero_optimization": {"stage": 0},  # odd: not divisible over 2 ranks
+              "autotuning": {"model_info": {"num_params": 100}}}
+    tuner = Autotuner(_args(tmp_path, config), {"localhost": [0, 1]}, stream=io.StringIO(),
+                      runner=StandInRunner(lambda c: 1.0, {}))
+    assert tuner.tune() is None
+    assert [e.status for e in tuner.experiments] == ["skipped"]
+    assert "train_batch_size 47 is not a multiple" in tuner.experiments[0].reason
+
+
+def test_model_info_run_uses_the_highest_valid_stage(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # 1-bit Adam runs at stage 0 only: the model-info run must not be at stage 3
+    config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}, "train_micro_batch_size_per_gpu": [2],
+              "zero_optimization": {"stage": "all"}, "autotuning": {"tuner_type": "gridsearch"}}
+    runner = StandInRunner(lambda c: 1.0, {"num_params": 100, "activation_mem_per_sample": 4.0})
+    tuner = Autotuner(_args(tmp_path, config), {"localhost": [0, 1]}, stream=io.StringIO(), runner=runner)
+    best = tuner.tune()
+    profile = json.loads((tmp_path / "autotuning_exps" / PROFILE_RUN / "ds_config.json").read_text())
+    assert profile["zero_optimization"]["stage"] == 0
+    assert best is not None and best.candidate.stage == 0
+    status = {e.candidate.stage: e for e in tuner.experiments}
+    for stage in (1, 2, 3):
+        assert status[stage].status == "invalid" and "OneBitAdam" in status[stage].reason
+    # with no valid stage at all the request fails, naming each stage's error
+    config["zero_optimization"]["stage"] = [1, 3]
+    with pytest.raises(AutotuningError) as err:
+        Autotuner(_args(tmp_path, config), {"localhost": [0, 1]}, stream=io.StringIO(), runner=runner).tune()
+    text = str(err.value)
+    assert "stage 3:" in text and "stage 1:" in text and "OneBitAdam" in text and "model-info" in text
+
+
+def test_no_knob_phase_once_the_trial_budget_is_spent(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # phase 1 uses exactly tuner_num_trials: the knob grid is neither built nor announced
+    config = {"train_micro_batch_size_per_gpu": [1, 2], "zero_optimization": {"stage": 2},
+              "autotuning": {"fast": False, "tuner_type": "gridsearch", "tuner_num_trials": 2,
+                             "model_info": {"num_params": 100}}}
+    out = io.StringIO()
+    runner = StandInRunner(lambda c: float(c.micro_batch), {})
+    tuner = Autotuner(_args(tmp_path, config), {"localhost": [0, 1]}, stream=out, runner=runner)
+    tuner.tune()
+    assert len(tuner.experiments) == 2 and len(runner.launched) == 2
+    assert "knobs" not in out.getvalue() and "tuner_num_trials reached" in tuner.stop_reason
+
+
+def test_a_timed_out_experiment_leaves_no_process_behind(tmp_path):
+    from dsplug.plugins.autotuning.runner import Experiment, LaunchRunner
+
+    pid_file = tmp_path / "child.pid"
+    fake = tmp_path / "fake_python"  # a launcher with a worker that ignores SIGTERM, as a hung one may
+    fake.write_text(f"#!/bin/sh\nsh -c 'trap \"\" TERM; sleep 60' &\necho $! > {pid_file}\nwait\n")
+    fake.chmod(0o755)
+    exp = Experiment("e", None, {}, str(tmp_path / "x"), str(tmp_path / "r"), str(tmp_path / "r" / "metrics.json"))
+    runner = LaunchRunner(lambda: [], "train.py", lambda e: [], python=str(fake), timeout=1)
+    runner.run(exp)
+    child = int(pid_file.read_text())
+    try:
+        assert exp.status == "timeout"
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the experiment's worker outlived it"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid):
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 # ----------------------------------------------------------------------------- DeepSpeed names

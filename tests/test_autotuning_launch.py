@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,53 @@ SCRIPT = textwrap.dedent(
 PARAMS = 64 * 256 + 256 + 256 + 1  # the script's MLP
 
 
-def _autotune(tmp_path, mode, config, steps, timeout=300):
+def _descendants(pid):
+    """``pid`` and every process below it (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _kill_everything(pid):
+    """SIGKILL the tuning's process group and, since each experiment runs in a session of its own,
+    every process below it and their groups."""
+    procs = _descendants(pid)
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            pass
+    for g in groups | {pid}:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _autotune(tmp_path, mode, config, steps, launches):
+    """``dsplug launch --autotuning MODE`` in a session of its own. ``launches``: how many runs the
+    tuning may start (experiments, the model-info run, the final training); the limit is above
+    their experiment timeouts together, and on reaching it (or on any interruption) the launcher's
+    group and every process below it are killed (each experiment runs in a session of its own, so
+    the group alone would not reach them): nothing outlives the test."""
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "ds.json").write_text(json.dumps(config))
     env = dict(os.environ)
@@ -58,7 +105,17 @@ def _autotune(tmp_path, mode, config, steps, timeout=300):
     command = [sys.executable, "-m", "dsplug.cli", "launch", "--num_procs", "2", "--master_port", str(free_port()),
                "--autotuning", mode, "train.py", "--deepspeed_config", "ds.json", "--steps", str(steps),
                "--out", "done.json"]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    limit = config["autotuning"]["experiment_timeout"] * launches + 60
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except BaseException:
+        if proc.returncode is None:  # not reaped: its pid, the group's id, is still its own
+            _kill_everything(proc.pid)
+        out, err = proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 @pytest.mark.slow
@@ -69,7 +126,7 @@ def test_autotuning_finds_the_fastest_config_and_records_what_it_printed(tmp_pat
               # ten measured steps: a stall of the loaded machine must last ~0.5 s to upset the ranking
               "autotuning": {"tuner_type": "gridsearch", "start_profile_step": 1, "end_profile_step": 10,
                              "experiment_timeout": 150}}
-    done = _autotune(tmp_path, "tune", config, steps=50)
+    done = _autotune(tmp_path, "tune", config, steps=50, launches=3)  # model info + 2
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results, exps = tmp_path / "autotuning_results", tmp_path / "autotuning_exps"
     rows = check_results_match_table(results, exps, done.stdout, "throughput")
@@ -106,7 +163,7 @@ def test_autotuning_prunes_what_does_not_fit_keeps_the_budget_and_runs_the_best(
               "autotuning": {"tuner_type": "gridsearch", "tuner_num_trials": 1, "start_profile_step": 1,
                              "end_profile_step": 2, "model_info": {"num_params": PARAMS},
                              "device_memory": 9 * PARAMS, "experiment_timeout": 150}}
-    done = _autotune(tmp_path, "run", config, steps=6)
+    done = _autotune(tmp_path, "run", config, steps=6, launches=2)  # 1 trial + the training
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = tmp_path / "autotuning_results"
     summary = json.loads((results / "summary.json").read_text())

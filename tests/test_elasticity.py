@@ -422,3 +422,11 @@ def test_resume_with_other_accumulation_steps_is_exact(tmp_path):
         opt.step()
     for a, b in zip(got, model.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+def test_an_invalid_enabled_section_reports_only_its_own_error():
+    """No derived 'set train_batch_size' error on top of the section's own (world size known)."""
+    with pytest.raises(dsplug.config.ConfigError) as info:
+        dsplug.DsplugConfig({"elasticity": {"enabled": True, "max_train_batch_size": 100, "micro_batch_sizes": [2, 4],
+                                            "min_gpus": 0}}, world_size=2)
+    assert "elasticity.min_gpus" in str(info.value) and "train_batch_size" not in str(info.value)

@@ -19,14 +19,15 @@ def sgd(momentum: float):
     return lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=momentum)
 
 
-def engine_for(net, momentum: float, stage: int = 0):
+def engine_for(net, momentum: float, stage: int = 0, extra=None):
     import dsplug
     from dsplug.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     net.moe.set_deepspeed_parallelism()
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
     engine, *_ = dsplug.initialize(model=net, model_parameters=groups, optimizer=sgd(momentum),
-                                   config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}})
+                                   config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                                           **(extra or {})})
     return engine
 
 
@@ -36,7 +37,8 @@ def train(engine, steps, chunk=None):
         x, y = data(step)
         if chunk is not None:
             x, y = x[chunk:chunk + 1], y[chunk:chunk + 1]
-        loss = engine(x, y)
+        dtype = next(engine.module.parameters()).dtype  # bf16 engines take bf16 inputs
+        loss = engine(x.to(dtype) if x.is_floating_point() else x, y.to(dtype) if y.is_floating_point() else y)
         engine.backward(loss)
         engine.step()
 
@@ -176,3 +178,29 @@ def test_a_different_number_of_experts_is_refused(tmp_path):
     other = engine_for(Wider(), momentum=0.0)
     with pytest.raises(CheckpointError, match=f"has {E} experts, the model {2 * E}; num_experts must match"):
         other.load_checkpoint(str(tmp_path), tag="t")
+
+
+def _bf16_masters_at_ep2(tmp: str):
+    from dsplug import comm
+
+    comm.init_distributed(verbose=False)
+    rank = comm.get_rank()
+    engine = engine_for(scrambled(make_net(2, rank)), momentum=0.0, extra={"bf16": {"enabled": True}})
+    engine.load_checkpoint(os.path.join(tmp, "bf16"), tag="c", load_optimizer_states=False)
+    stage = engine.stage
+    stale = [n for n, p in engine.module.named_parameters()  # experts: masters from the loaded weights
+             if not getattr(p, "allreduce", True) and not torch.equal(stage.master[p], p.detach().float())]
+    return global_state(engine.module, 2, rank), stale
+
+
+def test_bf16_master_weights_of_experts_follow_the_new_layout(tmp_path):
+    """At another expert layout the fp32 masters of the experts come from the experts the MoE
+    plugin loaded, not from this rank's file (which held other experts): the next step would
+    otherwise copy another rank's experts back over them."""
+    engine = engine_for(make_net(1), momentum=0.0, extra={"bf16": {"enabled": True}})
+    train(engine, range(SAVE_AT))
+    engine.save_checkpoint(str(tmp_path / "bf16"), tag="c")
+    at_save = global_state(engine.module, 1, 0)
+    for rank, (loaded, stale) in enumerate(run_distributed(_bf16_masters_at_ep2, 2, str(tmp_path))):
+        assert_same(loaded, at_save, f"loaded on rank {rank}")
+        assert stale == [], f"rank {rank}: expert masters differ from the loaded experts: {stale}"

@@ -368,3 +368,84 @@ def test_portable_build_equals_the_fallback(monkeypatch):
             results[be] = [out] + list(torch.autograd.grad(out.sum(), leaves))
         for n, t in zip(results["native"], results["torch"]):
             torch.testing.assert_close(n, t, atol=2e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- review fixes
+def test_all_zero_layout_native_equals_fallback(native):
+    """A layout without a nonzero block: every row attends to nothing, so the output and the
+    gradients of q, k, v and rpe are zeros on both backends (the native op used to reject the
+    empty index arrays), and the building blocks agree on the empty problem."""
+    layout = torch.zeros(2, 3, 3, dtype=torch.long)
+    L = BlockLayout(layout, 16)
+    assert L.nnz == 0
+    q, k, v = (rand(2, 2, 48, 8, seed=70 + i) for i in range(3))
+    rpe = rand(1, 2, 48, 48, seed=75)
+    grad_out = rand(2, 2, 48, 8, seed=76)
+    results = {}
+    for be in ("native", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, rpe)]
+        out = K.block_sparse_attention(*leaves[:3], layout, 16, rpe=leaves[3], causal=True, backend=be)
+        results[be] = [out] + list(torch.autograd.grad(out, leaves, grad_out))
+    for name, n, t, ref in zip(["out", "dq", "dk", "dv", "drpe"], results["native"], results["torch"],
+                               (q, q, k, v, rpe)):
+        assert n.shape == t.shape == ref.shape, name
+        assert torch.equal(n, torch.zeros_like(ref)) and torch.equal(t, torch.zeros_like(ref)), name
+    x = {be: K.sdd_matmul(q, k, L, backend=be) for be in ("native", "torch")}
+    assert x["native"].shape == x["torch"].shape == (2, 0, 16, 16)
+    soft = {be: K.sparse_softmax(x[be], L, backend=be) for be in ("native", "torch")}
+    assert soft["native"].shape == (2, 0, 16, 16)
+    back = {be: K.sparse_softmax_backward(soft[be], x[be], L, backend=be) for be in ("native", "torch")}
+    assert back["native"].shape == (2, 0, 16, 16)
+    for transpose in (False, True):
+        o = {be: K.dsd_matmul(x[be], v, L, transpose=transpose, backend=be) for be in ("native", "torch")}
+        assert torch.equal(o["native"], torch.zeros_like(v)) and torch.equal(o["torch"], torch.zeros_like(v))
+
+
+_PARALLEL_FAILURE_SCRIPT = """
+import sys
+from dsplug.op_builder import SparseAttnBuilder
+native = SparseAttnBuilder().load(fallback=False).native
+for fail in range(50, 1000, 100):  # failing units land on the calling thread and on workers
+    try:
+        native._parallel_units_check(1000, 4, fail)
+    except RuntimeError as e:
+        assert str(e) == f"unit {fail} failed", str(e)
+        print("raised:", e)
+    else:
+        print("no exception")
+        sys.exit(3)
+assert native._parallel_units_check(1000, 4, -1) == 1000  # the pool still works
+"""
+
+
+def test_an_exception_in_a_worker_thread_reaches_python(native):
+    """A unit that throws inside a worker thread must surface as a Python exception after every
+    claimed unit finished (no std::terminate of the process). Runs in a subprocess so a
+    regression shows as a failed test rather than a killed test run."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PARALLEL_FAILURE_SCRIPT], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.count("raised: unit") == 10, proc.stdout
+    # with no failure every unit runs exactly once
+    assert native._parallel_units_check(1000, 4, -1) == 1000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for an rpe on another device")
+def test_rpe_on_another_device_than_cpu_inputs_is_moved(native):
+    """CPU q/k/v with a CUDA rpe: the native path gets rpe on the inputs' device, and the rpe
+    gradient comes back on rpe's device."""
+    layout = torch.ones(1, 2, 2, dtype=torch.long)
+    q, k, v = (rand(1, 1, 32, 8, seed=80 + i) for i in range(3))
+    rpe = rand(1, 1, 32, 32, seed=85)
+    outs = {}
+    for name, r in (("cpu", rpe), ("cuda", rpe.cuda())):
+        leaf = r.clone().requires_grad_()
+        out = K.block_sparse_attention(q, k, v, layout, 16, rpe=leaf, backend="native")
+        (g,) = torch.autograd.grad(out.sum(), leaf)
+        assert g.device == r.device
+        outs[name] = (out, g.cpu())
+    torch.testing.assert_close(outs["cuda"][0], outs["cpu"][0])
+    torch.testing.assert_close(outs["cuda"][1], outs["cpu"][1])

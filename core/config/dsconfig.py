@@ -199,8 +199,8 @@ class DsplugConfig(abc.Mapping):
         errors_before = len(report.errors)
         decided = self._plugin_batch_sizes(report)
         if decided is not None:  # a plugin owns the batch sizes (elastic training): its values replace the keys
-            if len(report.errors) > errors_before:
-                return
+            if len(report.errors) > errors_before or (not decided and report.errors):
+                return  # the owner's section is invalid (reported): no second, derived error
             given = {name: decided.get(name) for name in BATCH_KEYS}
         autos = [name for name, v in given.items() if is_auto(v)]
         values = {name: (None if is_auto(v) else v) for name, v in given.items()}

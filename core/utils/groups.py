@@ -327,19 +327,25 @@ def refuse_per_slice_decisions(kernel_config, precision) -> None:
                          "group only, so slices would skip different steps; use bf16 or fp32")
 
 
-def create_expert_groups(module) -> None:
+def create_expert_groups(module) -> List[str]:
     """Create the ``"ep_size_<E>"`` groups the module's MoE expert parameters name (``group_name``
     of every ``allreduce=False`` parameter), as DeepSpeed's engine does, so that a model whose
-    layers have not run yet trains without an explicit set-up call. Every rank calls it."""
+    layers have not run yet trains without an explicit set-up call. Every rank calls it; returns
+    the names (the union over the ranks: the same list everywhere)."""
     import re
 
     names = {getattr(p, "group_name", None) for p in module.parameters() if not getattr(p, "allreduce", True)}
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        # the union over every rank, created in one order everywhere (a pipeline stage without
+        # experts must still join the group creations of the stages with them)
+        names = set().union(*comm.all_gather_object(sorted(n for n in names if n is not None)))
     for name in sorted(n for n in names if n is not None):
         match = re.fullmatch(r"ep_size_(\d+)", str(name))
         if match is None:
             raise ValueError(f"an expert parameter has group_name={name!r}; expert groups are named "
                              "'ep_size_<expert parallel size>' (dsplug.moe sets it)")
         _create_expert_and_data_parallel(int(match.group(1)))
+    return sorted(n for n in names if n is not None)
 
 
 def broadcast_module_state(module, dp_comm) -> None:

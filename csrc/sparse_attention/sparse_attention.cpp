@@ -20,9 +20,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -60,12 +62,20 @@ constexpr int kCols = 2 * VW;             // columns (score tiles) / head-dim ch
 // Units are claimed from a shared counter by the calling thread and threads - 1 detached
 // workers; the caller waits for the claimed units only, so a worker that starts late finds
 // nothing left and exits instead of holding up the call.
+//
+// Exceptions: a unit that throws (in any thread) records the first std::exception_ptr; after
+// that, claimed units are counted as done without running, and the caller rethrows once every
+// claimed unit is accounted for (no worker touches `fn` after the caller returns). If starting
+// a worker fails (std::thread throws), the workers already started and the caller share the
+// units: the work still finishes, with fewer threads.
 struct UnitQueue {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
+    std::atomic<bool> failed{false};
     int64_t total = 0;
     std::mutex mutex;
     std::condition_variable finished;
+    std::exception_ptr error;  // the first exception (guarded by mutex)
 };
 
 template <class Fn>
@@ -80,16 +90,32 @@ void parallel_units(int64_t units, int threads, const Fn& fn) {
     const Fn* body = &fn;  // dereferenced only for claimed units, all finished before we return
     auto work = [queue, body] {
         int64_t count = 0;
-        for (int64_t u; (u = queue->next.fetch_add(1)) < queue->total; ++count) (*body)(u);
+        for (int64_t u; (u = queue->next.fetch_add(1)) < queue->total; ++count) {
+            if (queue->failed.load(std::memory_order_relaxed)) continue;  // counted, not run
+            try {
+                (*body)(u);
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(queue->mutex);
+                if (!queue->error) queue->error = std::current_exception();
+                queue->failed.store(true);
+            }
+        }
         if (count && queue->done.fetch_add(count) + count == queue->total) {
             std::lock_guard<std::mutex> lock(queue->mutex);
             queue->finished.notify_all();
         }
     };
-    for (int64_t t = 1; t < n_threads; ++t) std::thread(work).detach();
+    for (int64_t t = 1; t < n_threads; ++t) {
+        try {
+            std::thread(work).detach();
+        } catch (...) {  // e.g. std::system_error: no more threads; the caller and started workers finish
+            break;
+        }
+    }
     work();
     std::unique_lock<std::mutex> lock(queue->mutex);
     queue->finished.wait(lock, [&] { return queue->done.load() == queue->total; });
+    if (queue->error) std::rethrow_exception(queue->error);
 }
 
 // Per-thread buffers: tiles of one block-row (or block-column) and pointer lists.
@@ -489,7 +515,9 @@ void check_problem(const Problem& p) {
         bad("sequence length " + std::to_string(p.S) + " is not a multiple of block " + std::to_string(p.blk));
     if (p.nb != p.S / p.blk) bad("nb must equal S / blk");
     if (p.nnz < 0 || p.nnz > p.H * p.nb * p.nb) bad("invalid nnz");
-    if (!p.row_ptr || !p.cols || !p.col_ptr || !p.col_rows || !p.col_ids) bad("missing layout index");
+    if (!p.row_ptr || !p.col_ptr) bad("missing layout index (row_ptr / col_ptr)");
+    // the per-block arrays are empty (their data pointer may be null) when no block is nonzero
+    if (p.nnz > 0 && (!p.cols || !p.col_rows || !p.col_ids)) bad("missing layout index (cols / col_rows / col_ids)");
     if (p.row_ptr[0] != 0 || p.row_ptr[p.H * p.nb] != p.nnz || p.col_ptr[p.H * p.nb] != p.nnz)
         bad("layout index does not match nnz");
 }
@@ -619,6 +647,16 @@ void attention_backward(const Problem& p, const SoftmaxTerms& t, const float* q,
     });
 }
 
+int64_t parallel_units_check(int64_t units, int threads, int64_t fail_unit) {
+    std::atomic<int64_t> ran{0};
+    parallel_units(units, threads, [&](int64_t u) {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));  // so that every thread claims units
+        if (u == fail_unit) throw std::runtime_error("unit " + std::to_string(u) + " failed");
+        ran.fetch_add(1);
+    });
+    return ran.load();
+}
+
 const char* simd_isa() {
 #if DSPLUG_SA_VW == 16
     return "avx512";
@@ -686,6 +724,15 @@ PYBIND11_MODULE(DSPLUG_EXT_NAME, m) {
     m.doc() = "dsplug sparse_attn op: block-sparse SDDMM / softmax / SpMM for attention on fp32 CPU buffers";
     m.def("simd_isa", [] { return std::string(dsplug::sparse::simd_isa()); },
           "vector width the kernels were built for (avx512: 16 floats, avx2: 8, scalar: 4-float generic vectors)");
+    m.def(
+        "_parallel_units_check",
+        [](int64_t units, int threads, int64_t fail_unit) {
+            py::gil_scoped_release release;
+            return dsplug::sparse::parallel_units_check(units, threads, fail_unit);
+        },
+        "units"_a, "threads"_a, "fail_unit"_a,
+        "self-test of the thread pool: runs `units` units on `threads` threads, unit `fail_unit` (-1: none) "
+        "throws; returns how many units ran (raises RuntimeError from the failing unit)");
     m.def(
         "sdd",
         [](const std::vector<int64_t>& geom, const std::vector<uintptr_t>& index, uintptr_t a, uintptr_t b,

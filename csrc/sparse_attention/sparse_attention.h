@@ -69,6 +69,9 @@ void attention_forward(const Problem& p, const SoftmaxTerms& t, const float* q, 
 void attention_backward(const Problem& p, const SoftmaxTerms& t, const float* q, const float* k, const float* v,
                         const float* dout, const float* lse, float* dq, float* dk, float* dv, float* grad,
                         int threads);
+// Self-test of the thread pool (for the tests): runs `units` units on `threads` threads where unit
+// `fail_unit` (-1: none) throws std::runtime_error; returns how many units ran, or rethrows.
+int64_t parallel_units_check(int64_t units, int threads, int64_t fail_unit);
 const char* simd_isa();
 
 }  // namespace sparse

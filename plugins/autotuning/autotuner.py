@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import warnings
 from typing import Any, Dict, List, Optional, TextIO
 
 from .config import AutotuningConfig
@@ -30,7 +31,8 @@ from .observer import write_json_atomic
 from .report import UNITS, format_table, rank
 from .runner import NOT_LAUNCHED, Experiment, LaunchRunner, Progress, free_port, read_json
 from .space import (AutotuningError, Candidate, batch_for, default_knobs, experiment_config, find_config_arg,
-                    geometric_sizes, knob_grid, optimal_config, read_space, with_config_arg, with_mapped_args)
+                    fixed_batch_sizes, geometric_sizes, knob_grid, optimal_config, read_space, snap_sizes,
+                    with_config_arg, with_mapped_args)
 from .tuner import HIGHER_IS_BETTER, Budget, explore, make_tuner
 
 PROFILE_RUN = "profile_model_info"
@@ -195,10 +197,7 @@ class Autotuner:
             return {"num_params": given / self.at.mp_size, "activation_mem_per_sample": 0.0,
                     "source": "autotuning.model_info.num_params (activation memory taken as 0)"}
         cand = self._profile_candidate()
-        path = os.path.join(self.results_dir, PROFILE_RUN, "model_info.json")
-        section = self._section(model_info={**(self.section_raw.get("model_info") or {}), "profile": True},
-                                model_info_path=path)
-        exp = self._experiment(PROFILE_RUN, cand, experiment_config(self.user_config, cand, section), "model_info.json")
+        exp = self._experiment(PROFILE_RUN, cand, self._profile_config(cand), "model_info.json")
         self._launch(exp, "model info")
         if exp.status != "done":
             raise AutotuningError(f"the model-info run ({cand.name}) did not complete: {exp.status}: {exp.reason}")
@@ -207,19 +206,44 @@ class Autotuner:
         return info
 
     def _profile_candidate(self) -> Candidate:
-        """The least memory-hungry candidate: the highest stage tuned, the smallest valid micro-batch."""
-        stage = max(self.space.stages)
+        """The least memory-hungry candidate whose config is valid: the highest stage tuned that the
+        config check accepts (a stage the optimizer refuses, e.g. a 1-bit optimizer above stage 0, is
+        passed over), at the smallest valid micro-batch size."""
+        from dsplug.config import ConfigError, DsplugConfig
+
         sizes = self.space.micro_batches or range(self.at.min_train_micro_batch_size_per_gpu,
                                                   self.at.max_train_micro_batch_size_per_gpu + 1)
         reasons = []
         for micro in sizes:
             batch, why = batch_for(self.space, micro, self.dp_world)
             if batch is not None:
-                return Candidate(stage, micro, batch[0], batch[1], default_knobs(self.space, stage, self.at.fast))
+                break
             reasons.append(why)
             if len(reasons) > 10_000:
                 break
-        raise AutotuningError(f"no micro-batch size to tune fits the batch settings: {reasons[0]}")
+        else:
+            batch = None
+        if batch is None:
+            raise AutotuningError(f"no micro-batch size to tune fits the batch settings: {reasons[0]}")
+        errors = []
+        for stage in sorted(self.space.stages, reverse=True):
+            cand = Candidate(stage, micro, batch[0], batch[1], default_knobs(self.space, stage, self.at.fast))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    DsplugConfig(self._profile_config(cand), world_size=self.dp_world)
+            except ConfigError as exc:
+                errors.append(f"stage {stage}: {' '.join(str(exc).split())}")
+                continue
+            return cand
+        raise AutotuningError("no ZeRO stage tuned has a valid config for the model-info run; "
+                              + "; ".join(errors))
+
+    def _profile_config(self, cand: Candidate) -> Dict[str, Any]:
+        path = os.path.join(self.results_dir, PROFILE_RUN, "model_info.json")
+        section = self._section(model_info={**(self.section_raw.get("model_info") or {}), "profile": True},
+                                model_info_path=path)
+        return experiment_config(self.user_config, cand, section)
 
     # ------------------------------------------------------------------ step 2: candidates
     def _check(self, cand: Candidate) -> Experiment:
@@ -250,14 +274,25 @@ class Autotuner:
         return exp
 
     def _stage_sizes(self, stage: int) -> List[int]:
-        """Micro-batch sizes to try at ``stage``: the user's list, or the geometric range up to what fits."""
+        """Micro-batch sizes to try at ``stage``: the user's list, or the geometric range up to what fits.
+
+        With a fixed ``train_batch_size`` the range ends at ``train_batch_size / (dp x gas)`` (gas: the
+        fixed accumulation steps, else 1) and each size is snapped to the nearest one the batch allows
+        (a divisor of ``train_batch_size / dp``), so that the sizes tried are not all skipped."""
         if self.space.micro_batches is not None:
             return list(self.space.micro_batches)
         from dsplug.config import ConfigError
 
         at = self.at
         lo, cap = at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu
-        if at.max_train_batch_size is not None and self.space.fixed_train_batch is None:
+        allowed = fixed_batch_sizes(self.space, self.dp_world)
+        if allowed is not None:
+            cap = min(cap, self.space.fixed_train_batch // (self.dp_world * (self.space.fixed_gas or 1)))
+            allowed = [v for v in allowed if lo <= v <= cap]
+            if not allowed:
+                return [lo]  # batch_for says why no size fits the fixed batch
+            lo = allowed[0]
+        elif at.max_train_batch_size is not None:
             cap = min(cap, at.max_train_batch_size // ((self.space.fixed_gas or 1) * self.dp_world))
         probe = Candidate(stage, lo, 1, lo * self.dp_world, default_knobs(self.space, stage, at.fast))
         try:
@@ -268,7 +303,10 @@ class Autotuner:
         hi = largest_micro_batch(states, self.model_info.get("activation_mem_per_sample", 0.0), self.budget_bytes, cap)
         if hi < lo:
             return [lo]  # does not fit: _check records it as pruned
-        return geometric_sizes(lo, hi, at.num_tuning_micro_batch_sizes)
+        sizes = geometric_sizes(lo, hi, at.num_tuning_micro_batch_sizes)
+        if allowed is not None:
+            sizes = snap_sizes(sizes, [v for v in allowed if v <= hi])
+        return sizes
 
     def candidates(self) -> List[Experiment]:
         """Phase 1: every (stage, micro-batch) with the default knobs, each checked."""
@@ -309,7 +347,7 @@ class Autotuner:
         budget = Budget(at.tuner_num_trials, at.tuner_early_stopping, self.metric)
         self._run_pool(phase1, budget)
         best = self._best()
-        if not at.fast and best is not None and budget.stop_reason is None:
+        if not at.fast and best is not None and not budget.exhausted():
             self._run_pool(self._knob_candidates(best), budget)
         if budget.stop_reason is not None:
             self.stop_reason = budget.stop_reason

@@ -154,8 +154,10 @@ class LaunchRunner:
         err_path = os.path.join(exp.result_dir, "stderr.log")
         start = time.monotonic()
         with open(out_path, "w") as out, open(err_path, "w") as err:
+            # a session of its own: stopping it reaches the launcher's workers and anything they
+            # started (the process group), not only the launcher
             proc = subprocess.Popen(exp.command, stdout=out, stderr=err, cwd=self.cwd, env=self.environ,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
             try:
                 code = proc.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
@@ -189,22 +191,39 @@ def _port_taken(stderr_path: str) -> bool:
     return "EADDRINUSE" in text or "Address already in use" in text
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a running ``dsplug launch``: SIGTERM (it passes it to its workers), a second one, then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGTERM, 10.0)):
-        if proc.poll() is not None:
-            return
-        try:
-            proc.send_signal(sig)
-        except OSError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    proc.kill()
+def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stop a running ``dsplug launch`` and everything it started: SIGTERM to its process group
+    (the launcher passes it on to its workers), up to ``grace`` seconds for the launcher to end,
+    then SIGKILL to the group (stragglers included) and the launcher reaped.
+
+    The launcher is reaped only after the group was killed: until then its pid, which is the
+    group's id, cannot be reused by another process."""
+    if proc.returncode is not None:
+        return  # already reaped: its pid (the group id) may belong to another process by now
+    pgid = proc.pid  # start_new_session: the launcher leads its own group
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while not _exited(proc) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
     proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the process ended, without reaping it (its pid stays reserved)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 class Progress:

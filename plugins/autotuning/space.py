@@ -178,6 +178,30 @@ def geometric_sizes(lo: int, hi: int, count: int) -> List[int]:
     return out
 
 
+def fixed_batch_sizes(space: Space, dp_world: int) -> Optional[List[int]]:
+    """With a fixed ``train_batch_size``: every micro-batch size it allows on ``dp_world`` ranks
+    (the divisors of ``train_batch_size / dp_world``; with a fixed ``gradient_accumulation_steps``
+    the one size ``train_batch_size / (dp_world x gas)``), ascending; None when the batch is not fixed."""
+    if space.fixed_train_batch is None:
+        return None
+    if space.fixed_train_batch % dp_world:
+        return []
+    per_rank = space.fixed_train_batch // dp_world
+    if space.fixed_gas is not None:
+        return [per_rank // space.fixed_gas] if per_rank % space.fixed_gas == 0 else []
+    small = [d for d in range(1, math.isqrt(per_rank) + 1) if per_rank % d == 0]
+    return sorted(set(small) | {per_rank // d for d in small})
+
+
+def snap_sizes(sizes: Sequence[int], valid: Sequence[int]) -> List[int]:
+    """Each size replaced by the nearest of ``valid`` on a log scale (the sizes are spaced
+    geometrically; a tie goes to the smaller), deduplicated, ascending."""
+    out = set()
+    for size in sizes:
+        out.add(min(valid, key=lambda v: (abs(math.log(v) - math.log(size)), v)))
+    return sorted(out)
+
+
 def batch_for(space: Space, micro: int, dp_world: int) -> Tuple[Optional[Tuple[int, int]], Optional[str]]:
     """``((gas, train_batch), None)`` for a micro-batch size, or ``(None, why not)``."""
     if space.fixed_train_batch is not None:

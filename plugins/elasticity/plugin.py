@@ -54,7 +54,10 @@ def dsplug_batch_sizes(config, world_size, report) -> Optional[Dict[str, Any]]:
     from .elasticity import check_world_size, solve
 
     section = config.sections.get(C.ELASTICITY)
-    if section is None or not section.enabled:
+    if section is None:  # absent, or invalid (its schema reported why): enabled means the batch is ours
+        raw = config.raw.get(C.ELASTICITY)
+        return {} if isinstance(raw, dict) and raw.get("enabled") is True else None
+    if not section.enabled:
         return None
     missing = missing_required(config.raw.get(C.ELASTICITY))
     for key in missing:

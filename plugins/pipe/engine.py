@@ -84,6 +84,13 @@ class PipelineEngine(Engine):
         if str(provided.name) in ("2", "3"):
             raise PipelineError(f"zero_optimization.stage {provided.name} cannot be combined with pipeline "
                                 "parallelism (as in DeepSpeed); use stage 0 or 1")
+        if self.expert_groups:  # the union over every rank (dsplug.utils.groups.create_expert_groups)
+            raise PipelineError("MoE expert parameters (dsplug.moe layers) in a PipelineModule are not available in "
+                                "dsplug: the pipeline's data-parallel groups and the expert groups are not combined yet")
+        if self.context.comm.get_backend() == "nccl" and model.num_pipeline_stages() > 1:
+            raise PipelineError("pipeline parallelism over NCCL is not available in dsplug yet: its 1F1B schedule "
+                                "posts a send before the matching receive in both directions, which NCCL can "
+                                "deadlock on; run the pipeline over gloo")
         # gradient_clipping and fp16 across stages: refused by the kernel for any mpu of several slices
         # (dsplug.utils.groups.refuse_per_slice_decisions); the grid's model-parallel slices are the stages
         return super()._build_stage(model, param_groups, client_optimizer)

@@ -14,7 +14,9 @@ Computation, for each batch ``b`` and head ``h`` with layout ``L[h]`` (``[nb, nb
 Masks: ``key_padding_mask`` ``[B, S]`` (any shape that squeezes to it, e.g. ``[B, 1, 1, S]``)
 and ``attn_mask`` ``[S, S]``; mode ``"add"`` adds the values, ``"mul"`` turns 0 into -inf and
 anything else into 0 (DeepSpeed's two modes); a bool mask means True = attend in either mode.
-``rpe`` broadcasts to ``[B, H, S, S]`` and may require grad.
+``rpe`` broadcasts to ``[B, H, S, S]`` and may require grad; it may live on another device than
+the inputs (it is read on theirs; its gradient returns on its own). A layout with no nonzero
+block gives zeros (output and gradients) on both backends.
 
 Backends. CPU tensors of dtype float32 / bfloat16 / float16 run the native op in float32 (the
 result is cast back); float64, tensors on other devices, or ``backend="torch"`` run the torch
@@ -346,7 +348,10 @@ class _BlockSparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, rpe, spec: _Spec):
         L, c = spec.layout, spec.compute
         B, H, S, D = q.shape
-        terms = spec.terms if rpe is None else replace(spec.terms, rpe=rpe.detach().to(c).contiguous())
+        # rpe may live on another device than q/k/v: the kernels read it on the inputs' device (a
+        # raw pointer for the native op), and its gradient goes back to rpe's own device
+        terms = spec.terms if rpe is None else replace(
+            spec.terms, rpe=rpe.detach().to(device=q.device, dtype=c).contiguous())
         if spec.native is not None:
             qc, kc, vc = _f32(q, k, v)
             out = torch.empty((B, H, S, D), dtype=torch.float32)
@@ -364,6 +369,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         ctx.spec = spec
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, rpe.dtype if rpe is not None else None)
         ctx.rpe_shape = tuple(rpe.shape) if rpe is not None else None
+        ctx.rpe_device = rpe.device if rpe is not None else None
         return out.to(q.dtype)
 
     @staticmethod
@@ -391,7 +397,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             dv = fb.dsd_t(L, prob, do)
         drpe = None
         if want_rpe_grad:
-            drpe = _dense_grad(L, grad, ctx.rpe_shape).to(ctx.dtypes[3])
+            drpe = _dense_grad(L, grad, ctx.rpe_shape).to(device=ctx.rpe_device, dtype=ctx.dtypes[3])
         qt, kt, vt = ctx.dtypes[:3]
         return dq.to(qt), dk.to(kt), dv.to(vt), drpe, None
 

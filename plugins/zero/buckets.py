@@ -131,6 +131,6 @@ def refuse_expert_parameters(param_groups, stage: int) -> None:
     if experts:
         name = getattr(experts[0], "group_name", "?")
         raise ValueError(f"zero_optimization.stage={stage}: the model has {len(experts)} MoE expert parameter(s) "
-                         f"(allreduce=False, group {name!r}); dsplug trains MoE models at ZeRO stage 0 only (expert "
-                         "gradients averaged in their expert-data-parallel group) -- stages 1-3 with experts are not "
-                         "built yet; set zero_optimization.stage to 0")
+                         f"(allreduce=False, group {name!r}); dsplug trains MoE models at ZeRO stages 0-2 (experts "
+                         "partitioned and averaged in their expert-data-parallel group); stage 3 with experts is not "
+                         "built yet: set zero_optimization.stage to 0, 1 or 2")

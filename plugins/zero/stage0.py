@@ -81,6 +81,11 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.last_grad_norm: Optional[float] = None
         #: MoE expert parameters present: the optimizer state differs between ranks
         self.holds_experts = any(name is not None for name in expert_domains(self.params))
+        if self.holds_experts and self.world_size > 1 and callable(getattr(self.optimizer, "communicates_gradients",
+                                                                           None)):
+            raise ValueError(f"optimizer {type(self.optimizer).__name__} averages its own (compressed) gradients over "
+                             "the data-parallel group, which would mix different MoE experts; train MoE models with "
+                             "an optimizer that leaves the reduction to the ZeRO stage (e.g. Adam, AdamW)")
 
     # ------------------------------------------------------------------ backward
     def _needs_accumulator(self, p) -> bool:
@@ -149,7 +154,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
             by_group.setdefault(None if getattr(p, "allreduce", True) else p.group_name, []).append(g)
         total = _global_norm(by_group.pop(None, [])) ** 2
         for name in sorted(by_group):
-            square = torch.tensor([_global_norm(by_group[name]) ** 2], dtype=torch.float64)
+            square = torch.tensor([_global_norm(by_group[name]) ** 2], dtype=torch.float64,
+                                  device=by_group[name][0].device)  # NCCL reduces device tensors only
             if groups._get_expert_parallel_world_size(name) > 1:
                 self.comm.all_reduce(square, group=groups._get_expert_parallel_group(name))
             total += float(square)
@@ -230,7 +236,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         experts = state.get("expert_params")
         # the shared file holds rank 0's experts only: this rank's come from its file -- when the
         # layout is this run's (another layout is the MoE plugin's to map, from its expert files)
-        if experts is not None and self.holds_experts and state.get("expert_layout") == self._expert_layout():
+        same_layout = not self.holds_experts or state.get("expert_layout") == self._expert_layout()
+        if experts is not None and self.holds_experts and same_layout:
             with torch.no_grad():
                 for p, value in zip(self._experts(), experts):
                     p.copy_(value)
@@ -241,7 +248,8 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                     self.master[p].copy_(p.detach().float())
                 if saved is not None:
                     for p, w in zip(self.params, saved):
-                        self.master[p].copy_(w)
+                        if same_layout or getattr(p, "allreduce", True):  # another layout: experts keep
+                            self.master[p].copy_(w)  # the values the MoE plugin loaded into them
 
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes this rank holds now: every parameter, gradient (and accumulator), fp32 master and
@@ -264,8 +272,13 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def _expert_layout(self) -> dict:
         """What decides which experts a rank holds: the world and each expert tensor's group and shape."""
+        from dsplug.utils import groups
+
+        names = sorted({p.group_name for p in self._experts()})
         return {"world_size": self.world_size,
-                "experts": [(p.group_name, tuple(p.shape)) for p in self._experts()]}
+                "experts": [(p.group_name, tuple(p.shape)) for p in self._experts()],
+                "expert_parallel": {n: (groups._get_expert_parallel_rank(n), groups._get_expert_parallel_ranks(n))
+                                    for n in names}}
 
     def module_state_dict(self) -> dict:
         """The full module state (every rank holds it whole at stage 0)."""
