@@ -522,12 +522,10 @@ def test_ignore_unused_parameters(stage):
         strict.backward(strict(x).pow(2).mean())
 
 
-def test_stage0_has_no_memory_report_yet():
-    engine = dsplug.initialize(model=make_model(), optimizer=adamw, config={"train_batch_size": 4})[0]
-    from dsplug.contracts.zero_stage import ZeroStageError
-
-    with pytest.raises(ZeroStageError, match="stage 0"):
-        engine.model_state_memory()
+def test_stage0_reports_its_memory():
+    model = make_model()
+    engine = dsplug.initialize(model=model, optimizer=adamw, config={"train_batch_size": 4})[0]
+    assert engine.model_state_memory()["parameters"] == sum(4 * p.numel() for p in model.parameters())
 
 
 def test_param_groups_keep_their_hyperparameters():

@@ -348,36 +348,6 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     return _run("all_gather", _nbytes(output), fn, async_op, group)
 
 
-def all_gather_into_tensors(outputs: List[torch.Tensor], inputs: List[torch.Tensor], group=None,
-                            async_op: bool = False):
-    """Several all-gathers as one operation: ``outputs[i]`` (contiguous, world x ``inputs[i]``
-    elements) receives every rank's ``inputs[i]`` rank-major. On gloo each rank's piece is
-    broadcast straight into its slot (no packing into, or splitting out of, one staging buffer);
-    elsewhere it is one ``all_gather_into_tensor`` per pair. Listeners see one ``"all_gather"``
-    of the outputs' bytes."""
-    gloo = get_backend(group) == "gloo"
-
-    def fn():
-        if gloo:
-            world, rank = get_world_size(group), get_rank(group)
-            works = []
-            for out, inp in zip(outputs, inputs):
-                chunks = out.view(-1).chunk(world)
-                chunks[rank].copy_(inp.reshape(-1))
-                works += [dist.broadcast(chunk, src=_global_rank(group, r), group=group, async_op=True)
-                          for r, chunk in enumerate(chunks)]
-            pending = _AllWorks(works)
-        else:
-            pending = _AllWorks([dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
-                                 for out, inp in zip(outputs, inputs)], gloo=False)
-        if async_op:
-            return pending
-        pending.wait()
-        return None
-
-    return _run("all_gather", sum(_nbytes(t) for t in outputs), fn, async_op, group)
-
-
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False):
     def fn():
         if get_backend(group) == "gloo" and all(t.is_contiguous() for t in tensor_list):

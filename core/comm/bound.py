@@ -79,9 +79,6 @@ class GroupComm:
     def all_gather_into_tensor(self, output, input, group=None, async_op: bool = False):
         return self._comm.all_gather_into_tensor(output, input, group=self._g(group), async_op=async_op)
 
-    def all_gather_into_tensors(self, outputs, inputs, group=None, async_op: bool = False):
-        return self._comm.all_gather_into_tensors(outputs, inputs, group=self._g(group), async_op=async_op)
-
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
         return self._comm.reduce_scatter_tensor(output, input, op=op, group=self._g(group), async_op=async_op)
 

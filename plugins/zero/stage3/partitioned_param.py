@@ -123,13 +123,7 @@ class GatherHandle:
             self.recv, self.work = None, None
         else:
             pieces = [partitioner.local_piece(p) for p in params]
-            world = partitioner.world_size
-            if len(params) > 1 and partitioner.comm.get_backend() == "gloo":
-                # gathered straight into each parameter's own buffer: no staging copy in or out
-                self.recv = [torch.empty(world * k, dtype=dtype, device=device) for k in self.sizes]
-                self.work = partitioner.comm.all_gather_into_tensors(self.recv, pieces, async_op=True)
-            else:
-                self.work, self.recv = start_all_gather(partitioner.comm, pieces, world, dtype, device)
+            self.work, self.recv = start_all_gather(partitioner.comm, pieces, partitioner.world_size, dtype, device)
         self.done = False
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -139,9 +133,7 @@ class GatherHandle:
         """The receive buffers of the gather while it is in flight."""
         if self.done:
             return []
-        if self.op is not None:
-            return list(self.op.buffer)
-        return list(self.recv) if isinstance(self.recv, list) else ([self.recv] if self.recv is not None else [])
+        return list(self.op.buffer) if self.op is not None else ([self.recv] if self.recv is not None else [])
 
     def wait(self) -> None:
         if self.done:
@@ -152,8 +144,7 @@ class GatherHandle:
         else:
             if self.work is not None:
                 self.work.wait()
-            fulls = self.recv if isinstance(self.recv, list) else \
-                split_rank_major(self.recv, self.partitioner.world_size, self.sizes)
+            fulls = split_rank_major(self.recv, self.partitioner.world_size, self.sizes)
         for p, full, quantized in zip(self.params, fulls, self.quantized):
             p.data = full[: p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
