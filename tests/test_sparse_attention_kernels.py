@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from dsplug.op_builder import NativeOpsFallbackWarning, SparseAttnBuilder, native_disabled
+from dsplug.op_builder import LazyNativeOp, NativeOpsFallbackWarning, SparseAttnBuilder, native_disabled
 from dsplug.op_builder import builder as builder_mod
 from dsplug.plugins.sparse_attention import kernels as K
 from dsplug.plugins.sparse_attention.layout import BlockLayout
@@ -333,7 +333,7 @@ def test_float64_runs_the_fallback_in_float64():
 def test_disabled_native_ops_fall_back_with_one_warning(monkeypatch):
     monkeypatch.setenv("DSPLUG_DISABLE_NATIVE_OPS", "1")
     monkeypatch.setattr(builder_mod, "_WARNED", set())
-    monkeypatch.setattr(K, "_NATIVE", {"resolved": False, "op": None})
+    monkeypatch.setattr(K, "_NATIVE", LazyNativeOp(SparseAttnBuilder))
     layout = DenseSparsityConfig(1, 16).make_layout(32)
     q = rand(1, 1, 32, 8, seed=1)
     with warnings.catch_warnings(record=True) as caught:

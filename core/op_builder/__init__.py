@@ -24,6 +24,7 @@ from .async_io import AsyncIOBuilder
 from .builder import (
     CACHE_ENV,
     DISABLE_ENV,
+    LazyNativeOp,
     NativeOpsFallbackWarning,
     OpBuilder,
     OpBuildError,
@@ -90,6 +91,7 @@ def all_op_status() -> List[OpStatus]:
 
 
 __all__ = [
+    "LazyNativeOp",
     "ALL_OPS", "OpStatus", "op_status", "all_op_status", "get_builder", "OpBuilder", "OpBuildError",
     "OpUnavailableError", "NativeOpsFallbackWarning", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder",
     "AsyncIOBuilder", "QuantizerBuilder", "SparseAttnBuilder", "cache_root", "native_disabled", "CACHE_ENV", "DISABLE_ENV",

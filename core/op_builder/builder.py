@@ -54,6 +54,24 @@ def native_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+class LazyNativeOp:
+    """An op's native extension, loaded from ``builder_class`` on first use (building it if
+    needed): ``native()`` is the extension module, or None when the pure-torch fallback runs
+    (``DSPLUG_DISABLE_NATIVE_OPS`` set, or no build possible; the builder warns once)."""
+
+    def __init__(self, builder_class):
+        self.builder_class = builder_class
+        self.op = None  # what builder_class().load() gave (native or fallback), once resolved
+
+    def native(self):
+        if native_disabled():
+            self.builder_class().load()  # the fallback, with its one warning
+            return None
+        if self.op is None:
+            self.op = self.builder_class().load()
+        return self.op.native
+
+
 def csrc_root() -> Path:
     """The C++ sources, shipped as the package data of ``dsplug.csrc`` (editable or installed)."""
     import dsplug.csrc

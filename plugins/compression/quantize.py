@@ -58,7 +58,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dsplug.op_builder import OpUnavailableError, native_disabled
+from dsplug.op_builder import LazyNativeOp, OpUnavailableError
 from dsplug.ops.native.handle import thread_count
 from dsplug.op_builder.quantizer import QuantizerBuilder
 
@@ -73,18 +73,12 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 STATE_FORMAT = "dsplug.quantized_tensor/1"
 
 # --------------------------------------------------------------------------- native dispatch
-_NATIVE = {"resolved": False, "op": None}  # the op QuantizerBuilder().load() gave (native or fallback)
+_NATIVE = LazyNativeOp(QuantizerBuilder)
 
 
 def _native_or_none():
     """The native extension when it is built and enabled, else None (the builder warns once)."""
-    if native_disabled():
-        QuantizerBuilder().load()  # the fallback, with its one warning
-        return None
-    if not _NATIVE["resolved"]:
-        _NATIVE["op"] = QuantizerBuilder().load()  # builds on first use; falls back with one warning
-        _NATIVE["resolved"] = True
-    return _NATIVE["op"].native
+    return _NATIVE.native()
 
 
 def _require_native():

@@ -40,7 +40,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from dsplug.op_builder import OpUnavailableError, native_disabled
+from dsplug.op_builder import LazyNativeOp, OpUnavailableError
 from dsplug.op_builder.sparse_attn import SparseAttnBuilder
 from dsplug.ops.native.handle import thread_count
 
@@ -57,18 +57,12 @@ _BACKENDS = (None, "native", "torch")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # --------------------------------------------------------------------------- native dispatch
-_NATIVE = {"resolved": False, "op": None}
+_NATIVE = LazyNativeOp(SparseAttnBuilder)
 
 
 def _native_or_none():
     """The native extension when it is built and enabled, else None (the builder warns once)."""
-    if native_disabled():
-        SparseAttnBuilder().load()  # the fallback, with its one warning
-        return None
-    if not _NATIVE["resolved"]:
-        _NATIVE["op"] = SparseAttnBuilder().load()  # builds on first use; falls back with one warning
-        _NATIVE["resolved"] = True
-    return _NATIVE["op"].native
+    return _NATIVE.native()
 
 
 def native_available() -> bool:
