@@ -237,8 +237,10 @@ def _reduce_scatter_run():
             g = torch.Generator().manual_seed(rank)
             full = (torch.randn(world * 5, generator=g) * 4).round().to(dtype)  # integers: exact in any order
             mine = torch.empty(5, dtype=dtype)
-            comm.reduce_scatter_tensor(mine, full.clone())
+            sent = full.clone()
+            comm.reduce_scatter_tensor(mine, sent)
             out[str(dtype)] = mine
+            out[f"{dtype} input kept"] = torch.equal(sent, full)  # partial sums never land in the input
         peak = torch.full((world * 2,), float(rank))
         top = torch.empty(2)
         comm.reduce_scatter_tensor(top, peak, op=comm.ReduceOp.MAX)  # not a sum: all-reduce fallback
@@ -248,14 +250,15 @@ def _reduce_scatter_run():
     return rank, world, out, seen
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])  # no scratch; scratch first; scratch second
 def test_gloo_reduce_scatter_is_a_ring_of_p2p_sums(world):
-    # (world 1: tests/test_zero3_dist.py's single-rank resume goes through it)
+    # (world 1, a copy: tests/test_zero3_dist.py's single-rank resume goes through it)
     for rank, size, out, seen in run_distributed(_reduce_scatter_run, world):
         for dtype in (torch.float32, torch.bfloat16):
             total = sum((torch.randn(size * 5, generator=torch.Generator().manual_seed(r)) * 4).round().to(dtype)
                         for r in range(size))
             assert torch.equal(out[str(dtype)], total[rank * 5:(rank + 1) * 5])
+            assert out[f"{dtype} input kept"]
         assert torch.equal(out["max"], torch.full((2,), float(size - 1)))
         # the listener sees one reduce-scatter of the input per call (not its point-to-point steps)
         assert seen == [("reduce_scatter", size * 5 * 4), ("reduce_scatter", size * 5 * 2), ("all_reduce", size * 2 * 4)]
