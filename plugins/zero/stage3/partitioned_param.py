@@ -13,9 +13,13 @@ Hugging Face integration read): ``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tens
 
     NOT_AVAILABLE --gather--> INFLIGHT --wait--> AVAILABLE --release--> NOT_AVAILABLE
 
-Gathers of several parameters are coalesced into one all-gather: each rank sends its pieces
-concatenated (``[A_r | B_r]``); the rank-major result ``[A_0 B_0 | A_1 B_1 | ...]`` is viewed as
-an (N, K) matrix whose column blocks are the parameters.
+A gather of several parameters issues one asynchronous all-gather per large parameter (at least
+``PER_PARAM_GATHER_NUMEL`` elements), straight from its partition into its full buffer
+(``[A_0 | A_1 | ...]``, the parameter's padded elements), and one packed all-gather for all the
+small ones: each rank sends its small pieces concatenated (``[A_r | B_r]``) and the rank-major
+result ``[A_0 B_0 | A_1 B_1 | ...]`` is copied apart by columns. Packing saves a message per
+small parameter; for a large one its two copies would cost more than the message (measured at
+50M parameters on 2 gloo ranks: forward 300 ms all packed, 182 ms per parameter).
 
 ZeRO++ (:mod:`dsplug.plugins.zero.zeropp`): the stage sets :attr:`ParamPartitioner.wire`; the
 gathers the coordinator starts for forward / backward (inside :meth:`ParamPartitioner.computing`)
@@ -103,8 +107,12 @@ def split_rank_major(recv: torch.Tensor, world: int, sizes: List[int]) -> List[t
     return fulls
 
 
+#: parameters of at least this many (padded) elements are gathered on their own, the rest packed
+PER_PARAM_GATHER_NUMEL = 1 << 18
+
+
 class GatherHandle:
-    """An all-gather of several partitioned parameters of one dtype; ``wait()`` fills them in.
+    """The all-gathers of several partitioned parameters of one dtype; ``wait()`` fills them in.
 
     Started inside :meth:`ParamPartitioner.computing` with a ZeRO++ ``wire`` set, the wire moves
     the values instead (see :mod:`dsplug.plugins.zero.zeropp`)."""
@@ -118,12 +126,22 @@ class GatherHandle:
         wire = partitioner.wire if partitioner._computing else None
         self.op = None
         self.quantized = [False] * len(params)
+        self.fulls: List[Optional[torch.Tensor]] = [None] * len(params)
+        self.works: list = []
+        self.packed = None  # (work, rank-major receive buffer, indices) of the small parameters
         if wire is not None:
             self.op = wire.start(partitioner, params)
-            self.recv, self.work = None, None
         else:
-            pieces = [partitioner.local_piece(p) for p in params]
-            self.work, self.recv = start_all_gather(partitioner.comm, pieces, partitioner.world_size, dtype, device)
+            world = partitioner.world_size
+            small = [i for i, k in enumerate(self.sizes) if world * k < PER_PARAM_GATHER_NUMEL]
+            if small:
+                pieces = [partitioner.local_piece(params[i]) for i in small]
+                self.packed = start_all_gather(partitioner.comm, pieces, world, dtype, device) + (small,)
+            for i, (p, k) in enumerate(zip(params, self.sizes)):
+                if world * k >= PER_PARAM_GATHER_NUMEL:
+                    full = self.fulls[i] = torch.empty(world * k, dtype=dtype, device=device)
+                    self.works.append(partitioner.comm.all_gather_into_tensor(
+                        full, partitioner.local_piece(p), async_op=True))
         self.done = False
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -133,7 +151,9 @@ class GatherHandle:
         """The receive buffers of the gather while it is in flight."""
         if self.done:
             return []
-        return list(self.op.buffer) if self.op is not None else ([self.recv] if self.recv is not None else [])
+        if self.op is not None:
+            return list(self.op.buffer)
+        return [t for t in self.fulls if t is not None] + ([self.packed[1]] if self.packed else [])
 
     def wait(self) -> None:
         if self.done:
@@ -142,9 +162,16 @@ class GatherHandle:
         if self.op is not None:
             fulls, self.quantized = self.op.finish()
         else:
-            if self.work is not None:
-                self.work.wait()
-            fulls = split_rank_major(self.recv, self.partitioner.world_size, self.sizes)
+            for work in self.works:
+                work.wait()
+            if self.packed is not None:
+                work, recv, small = self.packed
+                if work is not None:
+                    work.wait()
+                for i, full in zip(small, split_rank_major(recv, self.partitioner.world_size,
+                                                           [self.sizes[i] for i in small])):
+                    self.fulls[i] = full
+            fulls = self.fulls
         for p, full, quantized in zip(self.params, fulls, self.quantized):
             p.data = full[: p.ds_numel].view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
@@ -152,8 +179,7 @@ class GatherHandle:
             p._ds_quantized = quantized
             if not p.ds_persist:
                 self.partitioner.inflight_numel -= p.ds_numel
-        self.recv = None
-        self.op = None
+        self.fulls, self.works, self.op, self.packed = [], [], None, None
 
 
 class ParamPartitioner:
