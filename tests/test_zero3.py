@@ -590,3 +590,36 @@ def test_overlap_comm_defaults_to_on_at_stage3_only(zero, expected):
     """DeepSpeed's default for overlap_comm depends on the stage (true at 3); an explicit value wins."""
     cfg = dsplug.DsplugConfig({"train_batch_size": 2, "zero_optimization": zero}, world_size=1)
     assert cfg.section("zero_optimization").overlap_comm is expected
+
+
+# --------------------------------------------------------------------------- kept gather buffers
+def test_released_full_buffers_are_reused_unless_something_still_views_them():
+    """A released full buffer of a parameter gathered on its own is kept and handed to the next
+    gather of that size -- but not while anything (a saved view, the user) still reads it."""
+    from dsplug.plugins.zero.stage3.partitioned_param import PER_PARAM_GATHER_NUMEL
+
+    side = int(math.isqrt(PER_PARAM_GATHER_NUMEL))  # a square weight gathered on its own
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(side, side, bias=False), torch.nn.Linear(side, side, bias=False))
+    engine = build(config(), model=model)
+    partitioner = engine.stage.partitioner
+    first, second = model[0].weight, model[1].weight
+    want_first = first.ds_tensor.detach().clone().view(side, side)
+
+    partitioner.fetch([first])
+    held = first.data  # the user keeps a view of the gathered value
+    where = held.data_ptr()
+    partitioner.release([first])
+    assert partitioner.kept_numel == side * side  # kept, but not handed out while viewed
+    partitioner.fetch([second])
+    assert second.data.data_ptr() != where
+    assert torch.equal(held, want_first)  # the second gather did not write over it
+    del held
+
+    partitioner.release([second])
+    assert partitioner.kept_numel == 2 * side * side
+    partitioner.fetch([first, second])  # both take kept buffers (no allocation)
+    assert partitioner.kept_numel == 0
+    assert where in (first.data.data_ptr(), second.data.data_ptr())
+    assert torch.equal(first.data, want_first)
+    assert torch.equal(second.data, second.ds_tensor.view(side, side))

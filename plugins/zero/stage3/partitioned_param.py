@@ -111,6 +111,30 @@ def split_rank_major(recv: torch.Tensor, world: int, sizes: List[int]) -> List[t
 PER_PARAM_GATHER_NUMEL = 1 << 18
 
 
+def _storage_references(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()  # held while counted (it adds one reference of its own)
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _sole_reference(full: torch.Tensor) -> bool:
+    """Whether nothing but ``full`` itself holds its memory (no view saved by autograd, held by a
+    collective or kept by the user): only then may another parameter's gather overwrite it."""
+    try:
+        return _storage_references(full) == _SOLE_REFERENCES
+    except (AttributeError, RuntimeError):  # a torch without the count: keep nothing
+        return False
+
+
+def _references_of_a_lone_tensor() -> int:
+    try:
+        return _storage_references(torch.empty(1))
+    except (AttributeError, RuntimeError):
+        return -1
+
+
+_SOLE_REFERENCES = _references_of_a_lone_tensor()
+
+
 class GatherHandle:
     """The all-gathers of several partitioned parameters of one dtype; ``wait()`` fills them in.
 
@@ -139,7 +163,7 @@ class GatherHandle:
                 self.packed = start_all_gather(partitioner.comm, pieces, world, dtype, device) + (small,)
             for i, (p, k) in enumerate(zip(params, self.sizes)):
                 if world * k >= PER_PARAM_GATHER_NUMEL:
-                    full = self.fulls[i] = torch.empty(world * k, dtype=dtype, device=device)
+                    full = self.fulls[i] = partitioner.full_buffer(world * k, dtype)
                     self.works.append(partitioner.comm.all_gather_into_tensor(
                         full, partitioner.local_piece(p), async_op=True))
         self.done = False
@@ -172,8 +196,11 @@ class GatherHandle:
                                                            [self.sizes[i] for i in small])):
                     self.fulls[i] = full
             fulls = self.fulls
-        for p, full, quantized in zip(self.params, fulls, self.quantized):
+        reusable = self.op is None and self.works  # the per-parameter buffers (not packed, not ZeRO++)
+        for i, (p, full, quantized) in enumerate(zip(self.params, fulls, self.quantized)):
             p.data = full[: p.ds_numel].view(p.ds_shape)
+            p._ds_full = full if reusable and self.sizes[i] * self.partitioner.world_size >= PER_PARAM_GATHER_NUMEL \
+                else None
             p.ds_status = ZeroParamStatus.AVAILABLE
             p._ds_handle = None
             p._ds_quantized = quantized
@@ -208,6 +235,14 @@ class ParamPartitioner:
         self._computing = False
         #: bumped whenever partitions change (a step, a load): hpZ's secondary shards go stale
         self.generation = 0
+        #: released full buffers kept for the next gathers of the same size: on CPU a large fresh
+        #: buffer is page-faulted in on every gather (measured: ~0.6 ms per MB, a third of a 50M
+        #: forward pass), which a CUDA caching allocator avoids by itself. Kept buffers plus
+        #: gathered parameters stay within ``keep_limit`` elements (the stage sets it to
+        #: ``stage3_max_live_parameters`` on CPU; 0 keeps none).
+        self.keep_limit = 0
+        self.kept: Dict[tuple, List[torch.Tensor]] = {}
+        self.kept_numel = 0
 
     @contextlib.contextmanager
     def computing(self):
@@ -349,9 +384,27 @@ class ParamPartitioner:
             self.live_numel -= p.ds_numel
 
     def _drop_full(self, p: torch.nn.Parameter) -> None:
+        full, p._ds_full = getattr(p, "_ds_full", None), None
         p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.device)
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         p._ds_quantized = False
+        if full is not None and self.live_numel + self.kept_numel + full.numel() <= self.keep_limit:
+            self.kept.setdefault((full.numel(), full.dtype), []).append(full)
+            self.kept_numel += full.numel()
+
+    def full_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a gathered full value: a kept one of that size that nothing else views
+        any more (checked now, not at release: a finished collective may still hold a view for a
+        moment, and a view the user keeps holds the memory anyway), else a new one."""
+        kept = self.kept.get((numel, dtype), [])
+        for i in range(len(kept) - 1, -1, -1):
+            if _sole_reference(kept[i]):
+                self.kept_numel -= numel
+                return kept.pop(i)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def kept_buffers(self) -> List[torch.Tensor]:
+        return [t for ts in self.kept.values() for t in ts]
 
     # ------------------------------------------------------------------ persistence / updates
     def make_persistent(self, params: Iterable[torch.nn.Parameter]) -> None:

@@ -111,6 +111,9 @@ class GradientReducer:
             return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.empty(numel, dtype=self.dtype, device=device)
 
+    def kept_buffers(self) -> List[torch.Tensor]:
+        return list(self._free)
+
     def finish(self) -> None:
         """Reduce what is left and wait for every reduction of this backward pass."""
         self.flush()

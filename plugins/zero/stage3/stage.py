@@ -191,6 +191,9 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         else:
             self.partitioner = ParamPartitioner(self.comm, self.rank, self.world_size, device)
 
+        if self.partitioner.device.type == "cpu":  # (an accelerator's caching allocator keeps them itself)
+            self.partitioner.keep_limit = int(zero_config.stage3_max_live_parameters)
+
         #: ZeRO++ (None when every ZeRO++ key is off); checks zero_hpz_partition_size against the world
         self.zeropp = build_zeropp(zero_config, self.comm, self.rank, self.world_size)
         if self.zeropp is not None:
@@ -316,7 +319,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         parameters, plus any gathered at the moment); ``gradients``: gradient partitions;
         ``optimizer_states``: the fp32 master partitions (when separate from the parameters) and the
         optimizer's state; ``hpz_secondary`` (ZeRO++ hpZ only): the secondary shards;
-        ``buffers``: gradient buckets and all-gather buffers in flight;
+        ``buffers``: gradient buckets and all-gather buffers in flight, and those kept for reuse;
         ``total``: all but the buffers."""
         held = self.store.memory(self.optimizer, self.all_params)
         partitions = held["parameters"]
@@ -325,7 +328,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         grads += [p.grad for p in self.all_params if p.grad is not None]
         optim = held["optimizer_states"]
         in_flight = {id(p._ds_handle): p._ds_handle for p in self.all_params if p._ds_handle is not None}
-        buffers = [g for _, g in self.reducer.pending] + [o[1] for o in self.reducer.outstanding]
+        buffers = [g for _, g in self.reducer.pending] + [o[-1] for o in self.reducer.outstanding]
+        buffers += self.reducer.kept_buffers() + self.partitioner.kept_buffers()
         buffers += [b for h in in_flight.values() for b in h.buffers()]
         report = {"parameters": _storage_bytes(partitions), "gathered_parameters": _storage_bytes(gathered),
                   "gradients": _storage_bytes(grads), "optimizer_states": _storage_bytes(optim),
