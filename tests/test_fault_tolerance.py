@@ -37,9 +37,8 @@ STARTUP_S = 240.0  # until the victim springs its trap: two interpreters, an eng
 #: survivor then meets the dead rank in the agreement after writing)
 POINTS = ("model", "fetch", "fetch_issued", "rank")
 #: (kill point, victim rank, a forked child holds the victim's sockets): each point, each victim,
-#: and the held-sockets case (where only the timeout can tell) at two points
-TRIES = (("model", 0, False), ("fetch", 1, True), ("fetch_issued", 0, False), ("rank", 1, False),
-         ("fetch_issued", 1, True))
+#: and the held-sockets case (where only the timeout can tell)
+TRIES = (("model", 0, False), ("fetch", 1, True), ("fetch_issued", 0, False), ("rank", 1, False))
 
 
 # ------------------------------------------------------------------------------ the rank processes
@@ -168,7 +167,7 @@ def _previous_checkpoint_loads(out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_killed_during_a_zero3_save_never_hangs_the_survivor(tmp_path):
-    """5 of 5 tries (every kill point, both victims, sockets held by a forked child in two): the
+    """4 of 4 tries (every kill point, both victims, sockets held by a forked child in one): the
     survivor exits within the bound, naming the dead rank and the save."""
     assert {t[0] for t in TRIES} == set(POINTS) and {t[1] for t in TRIES} == {0, 1}
     results = []
