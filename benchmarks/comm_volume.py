@@ -150,6 +150,10 @@ def main(argv=None) -> None:
             print(f"{world:>5} {stage:>5} | {sent:>12,.0f} {sent / psi:>7.3f} {analysis:>9.3f} "
                   f"{sent / psi / analysis:>10.3f} | {r['time'] * 1e3:>8.1f} | {held / 2 ** 20:>14.2f} "
                   f"{est / 2 ** 20:>11.2f} {held / est:>6.2f} | {ops}")
+    if 1 in args.stages:
+        print("stage 1: the estimate (the ZeRO paper's) counts full gradients, which stage 1 holds while "
+              "gradients accumulate, until the boundary's reduction; measured after that reduction, only "
+              "this rank's gradient partition is left (as at stage 2).")
 
 
 if __name__ == "__main__":
