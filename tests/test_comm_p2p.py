@@ -241,6 +241,9 @@ def _reduce_scatter_run():
             comm.reduce_scatter_tensor(mine, sent)
             out[str(dtype)] = mine
             out[f"{dtype} input kept"] = torch.equal(sent, full)  # partial sums never land in the input
+            in_place = full.clone()  # output a slice of the input (reduce_scatter_fn's in-place use)
+            comm.reduce_scatter_tensor(in_place.chunk(world)[rank], in_place)
+            out[f"{dtype} in place"] = in_place.chunk(world)[rank].clone()
         peak = torch.full((world * 2,), float(rank))
         top = torch.empty(2)
         comm.reduce_scatter_tensor(top, peak, op=comm.ReduceOp.MAX)  # not a sum: all-reduce fallback
@@ -259,6 +262,8 @@ def test_gloo_reduce_scatter_is_a_ring_of_p2p_sums(world):
                         for r in range(size))
             assert torch.equal(out[str(dtype)], total[rank * 5:(rank + 1) * 5])
             assert out[f"{dtype} input kept"]
+            assert torch.equal(out[f"{dtype} in place"], total[rank * 5:(rank + 1) * 5])
         assert torch.equal(out["max"], torch.full((2,), float(size - 1)))
         # the listener sees one reduce-scatter of the input per call (not its point-to-point steps)
-        assert seen == [("reduce_scatter", size * 5 * 4), ("reduce_scatter", size * 5 * 2), ("all_reduce", size * 2 * 4)]
+        assert seen == [("reduce_scatter", size * 5 * 4)] * 2 + [("reduce_scatter", size * 5 * 2)] * 2 + \
+            [("all_reduce", size * 2 * 4)]

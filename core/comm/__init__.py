@@ -81,7 +81,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                             timeout=timeout)
     faults.created(timeout)
     faults.record_peers()
-    atexit.register(_destroy_at_exit)
+    _created_here["group"] = True  # destroyed at exit (_let_workers_finish_at_exit)
     accel = get_accelerator()
     if accel.device_count() > 1 or accel.name != "cpu":
         accel.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(1, accel.device_count()))
@@ -89,13 +89,36 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
 
 def _destroy_at_exit() -> None:
     """The group dsplug created is destroyed while Python still runs (torch asks for it before
-    exit): left to interpreter teardown, the group and its store can be torn down out of order and
-    abort the process ("terminate called without an active exception")."""
+    exit): left to interpreter teardown, the group and its store can be torn down out of order."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; a failed teardown must not mask the exit status
             pass
+
+
+#: how long the interpreter, at exit, leaves the GIL to torch.distributed's worker threads
+EXIT_GRACE_S = 0.05
+
+
+def _let_workers_finish_at_exit() -> None:
+    """Give torch.distributed's worker threads the GIL once more before the interpreter finalizes.
+
+    A gloo worker thread drops its reference to a finished collective just after the waiting
+    thread has been woken; when that is the last reference to a tensor created in Python, freeing
+    it needs the GIL. If the main thread holds the GIL from there until finalization, the worker
+    is still waiting for it when Python finalizes, Python ends the thread inside a C++ destructor,
+    and the process aborts ("terminate called without an active exception", exit status 134;
+    seen in ~10 % of 2-process runs here, whichever framework created the group). Sleeping hands
+    the GIL over: a worker finishes in microseconds."""
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(EXIT_GRACE_S)
+        if _created_here["group"]:
+            _destroy_at_exit()
+
+
+_created_here = {"group": False}  # whether init_distributed created the default group
+atexit.register(_let_workers_finish_at_exit)  # at import: also for a group another framework created
 
 
 def planned_world_size(dist_init_required: Optional[bool] = None) -> int:
@@ -372,12 +395,19 @@ def _ring_scratch(like: torch.Tensor) -> torch.Tensor:
     return held[:like.numel()].view_as(like)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` overlaps (contiguous tensors)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and \
+        a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _gloo_ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """A ring reduce-scatter (sum) over point-to-point messages, for gloo, which has no
     reduce-scatter: in world-1 steps each rank sends one running partial sum of a 1/world slice to
     its right neighbour and adds the one arriving from its left, so each rank sends (n-1)/n of
     ``input`` -- half of what an all-reduce moves -- and ends with its own slice summed over every
-    rank. ``input`` is only read. The partial sums alternate between ``output`` and one scratch
+    rank. ``input`` is only read (an ``output`` inside it is filled at the end). The partial sums alternate between ``output`` and one scratch
     buffer kept by this module (world > 2 only): nothing large is allocated per call. (Measured on
     loopback gloo, 200 MB at 2 ranks: 86 ms, vs 209 ms for an all-reduce of the same bytes.)"""
     world, rank = get_world_size(group), get_rank(group)
@@ -385,6 +415,11 @@ def _gloo_ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) 
     out = output.view(-1)
     if world == 1:
         out.copy_(rows[0])
+        return
+    if _overlap(out, input):  # in place (output a slice of input): partial sums may not land there
+        result = torch.empty_like(out)
+        _gloo_ring_reduce_scatter(result, input, group)
+        out.copy_(result)
         return
     right, left = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
     with _RING_LOCK:

@@ -388,7 +388,8 @@ class ParamPartitioner:
         p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=self.device)
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         p._ds_quantized = False
-        if full is not None and self.live_numel + self.kept_numel + full.numel() <= self.keep_limit:
+        if full is not None and _SOLE_REFERENCES > 0 and \
+                self.live_numel + self.kept_numel + full.numel() <= self.keep_limit:
             self.kept.setdefault((full.numel(), full.dtype), []).append(full)
             self.kept_numel += full.numel()
 

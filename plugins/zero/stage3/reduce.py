@@ -65,7 +65,7 @@ class GradientReducer:
         #: flat buffers of completed reductions, reused by the next buckets: a bucket and its reduced
         #: output live in one of them. A large fresh buffer is page-faulted in on every use on CPU
         #: (measured: ~0.6 ms per MB, more than the reduce-scatter's own time), and DeepSpeed also
-        #: keeps its bucket buffer between steps. At most the buffers in flight at once are kept.
+        #: keeps its bucket buffer between steps. At most two are kept.
         self._free: List[torch.Tensor] = []
 
     def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -134,5 +134,7 @@ class GradientReducer:
                 offset += k
             self._free.append(whole)
         self.outstanding = []
-        # keep as many buffers as were in flight together (the largest): what the next round needs
-        self._free = sorted(self._free, key=torch.Tensor.numel, reverse=True)[:max(in_flight, 1)]
+        # keep the largest one or two (double buffering when reductions overlap backward): with
+        # overlap_comm every bucket of a pass is in flight until finish(), and keeping them all
+        # would hold a whole gradient's worth between steps
+        self._free = sorted(self._free, key=torch.Tensor.numel, reverse=True)[:min(max(in_flight, 1), 2)]
