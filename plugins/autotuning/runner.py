@@ -174,8 +174,9 @@ class LaunchRunner:
         if code == 0 and exp.metrics is not None:
             exp.status = "done"
         elif exp.metrics is not None and code in (134, 128 + 6, -6):
-            # measured, then a worker aborted while tearing down its process group at exit (a torch /
-            # gloo race at interpreter exit, seen in ~10 % of 2-process gloo runs): the measurement stands
+            # measured, then a worker aborted at interpreter exit (the gloo worker-thread race that
+            # dsplug.comm's exit hook closes; a script may still exit past it, e.g. os._exit after
+            # pending async collectives): the measurement stands
             exp.status = "done"
             exp.reason = f"measured; the launch then exited with status {code} at teardown (see {err_path})"
         elif code == 0:
