@@ -4,7 +4,7 @@ Distributed runs are expensive here, so one 2-process run (``main_run``) trains 
 and records what the tests below check: fp32 / bf16 training with gradient accumulation and
 clipping against plain PyTorch on the global batch, zero.Init against no Init, bytes held per rank
 against the ZeRO memory formula, GatheredParameters with a modifier rank, save_16bit_model, and a
-checkpoint saved at 2 ranks (its weights gathered one by one, its biases packed). A checkpoint is
+checkpoint saved at 2 ranks (its large weights gathered one by one, the rest packed). A checkpoint is
 then resumed at 1 rank (in this process) and at 2 ranks (``resume_run``), and continues exactly
 like the uninterrupted run.
 """
@@ -32,8 +32,9 @@ def _main_job(ckpt_dir: str, file16: str):
     from dsplug.plugins.zero.stage3 import partitioned_param
     from dsplug.zero import GatheredParameters
 
-    # the weights (288, 576, 72 elements) are gathered one all-gather each, straight into their
-    # full buffers, and the biases (24, 24, 3) packed into one: both paths feed every check below
+    # the weights of 288 and 576 elements are gathered one all-gather each, straight into their
+    # full buffers, and the rest (the 72-element weight, the biases) packed into one: both paths
+    # feed every check below
     partitioned_param.PER_PARAM_GATHER_NUMEL = 100
     out = {}
     # --- training equals the reference (fp32 with default knobs; bf16 with aggressive releasing)
