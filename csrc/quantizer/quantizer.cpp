@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "dsplug_parallel_units.h"
 #include "dsplug_simd.h"
 
 namespace dsplug {
@@ -255,40 +256,7 @@ void apply_elements(const QuantizeArgs& a, int64_t group_size, int64_t begin, in
 
 // ------------------------------------------------------------------ threads
 // Work is cut into units (~kUnit elements) that the calling thread and num_threads - 1 workers
-// claim from a shared counter. The caller waits only for the claimed units, not for the workers
-// to exit: a worker that starts late (say, behind torch's spinning OpenMP threads on a busy core)
-// finds nothing left and stops, instead of holding up the call with a fixed share of the work.
-struct UnitQueue {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    int64_t total = 0;
-    std::mutex mutex;
-    std::condition_variable finished;
-};
-
-template <class Fn>
-void parallel_units(int64_t units, int64_t threads, const Fn& fn) {  // fn(u) for u in [0, units)
-    threads = std::min(threads, units);
-    if (threads <= 1) {
-        for (int64_t u = 0; u < units; ++u) fn(u);
-        return;
-    }
-    auto queue = std::make_shared<UnitQueue>();
-    queue->total = units;
-    const Fn* body = &fn;  // dereferenced only for claimed units, all finished before we return
-    auto work = [queue, body] {
-        int64_t count = 0;
-        for (int64_t u; (u = queue->next.fetch_add(1)) < queue->total; ++count) (*body)(u);
-        if (count && queue->done.fetch_add(count) + count == queue->total) {
-            std::lock_guard<std::mutex> lock(queue->mutex);
-            queue->finished.notify_all();
-        }
-    };
-    for (int64_t t = 1; t < threads; ++t) std::thread(work).detach();
-    work();
-    std::unique_lock<std::mutex> lock(queue->mutex);
-    queue->finished.wait(lock, [&] { return queue->done.load() == queue->total; });
-}
+// claim from a shared counter (dsplug_parallel_units.h).
 
 void check_args(const QuantizeArgs& a, bool compute_scales) {
     if (a.n < 0) throw std::invalid_argument("n must be >= 0, got " + std::to_string(a.n));
