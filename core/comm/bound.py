@@ -12,7 +12,7 @@ model-parallel unit (``initialize(mpu=...)``) or a pipeline grid it is one of se
   sender's group rank.
 
 Anything else (``ReduceOp``, ``add_listener``, ``operation``, ...) is the comm module's: a new
-collective of the comm layer needs a method here too (tests/test_parallel_groups.py checks that
+collective of the comm layer needs a method here too (tests/core/test_parallel_groups.py checks that
 every public function taking ``group`` has one).
 """
 from __future__ import annotations

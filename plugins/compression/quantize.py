@@ -5,7 +5,7 @@ the input's dtype and shape. The native ``quantizer`` op (csrc/quantizer/quantiz
 :class:`~dsplug.op_builder.QuantizerBuilder`) runs CPU tensors; the pure-torch fallback runs
 everything else, or everything when the op cannot be built or ``DSPLUG_DISABLE_NATIVE_OPS=1``
 (one :class:`~dsplug.op_builder.NativeOpsFallbackWarning`). Both perform the same float32
-operations in the same order, so their results are bitwise equal (tests/test_compression_quantize.py).
+operations in the same order, so their results are bitwise equal (tests/plugins/compression/test_compression_quantize.py).
 
 Contract
 --------

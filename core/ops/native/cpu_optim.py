@@ -2,7 +2,7 @@
 
 Each kernel object wraps the native extension when it was built, else runs the same arithmetic
 with torch (the fallback). Both paths compute in fp32 and round stored bf16 / fp16 values to
-nearest even, so they agree to fp32 rounding (tests/test_ops_cpu_optim.py proves it).
+nearest even, so they agree to fp32 rounding (tests/core/test_ops_cpu_optim.py proves it).
 
 Supported storage (the C++ kernels are instantiated for exactly these):
     param / grad   float32            bfloat16           float16

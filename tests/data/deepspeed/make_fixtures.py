@@ -1,4 +1,4 @@
-"""Reference checkpoints written by DeepSpeed, for tests/test_deepspeed_interchange.py.
+"""Reference checkpoints written by DeepSpeed, for tests/plugins/zero/test_deepspeed_interchange.py.
 
 DeepSpeed is a baseline here, never a dependency: install it in a separate virtual environment
 and run this script there (CPU only, no DeepSpeed ops are compiled: the optimizer is torch's AdamW)::
@@ -15,7 +15,7 @@ the next ``AFTER`` steps (and the trained parameters) in ``expected.json``. Deep
 ``zero_to_fp32.py`` / ``zero_to_torch.py`` scripts that it copies into the folder are deleted.
 
 ``resume`` is the other direction: DeepSpeed loads a checkpoint written by dsplug and prints the
-losses of the next steps as JSON (tests/test_deepspeed_interchange.py runs it when
+losses of the next steps as JSON (tests/plugins/zero/test_deepspeed_interchange.py runs it when
 ``DSPLUG_DEEPSPEED_PYTHON`` names an interpreter with DeepSpeed)::
 
     DS_ACCELERATOR=cpu /work/dsvenv/bin/python tests/data/deepspeed/make_fixtures.py resume \
