@@ -3,9 +3,11 @@ ZeRO paper's analysis, at several world sizes.
 
     python benchmarks/comm_volume.py                       # worlds 2,4,8; ~3-5 min on 2 cores
     python benchmarks/comm_volume.py --worlds 2,4 --steps 4 --bf16
+    python benchmarks/comm_volume.py --worlds 1 --bf16    # one GPU over NCCL (benchmarks/device_check.sh)
 
 Each (world, stage) run trains the same MLP (``--width`` x ``--layers`` Linear layers, ~Ψ
-parameters) for ``--steps`` optimizer steps over gloo on 127.0.0.1 through ``dsplug.initialize``
+parameters) for ``--steps`` optimizer steps over gloo on 127.0.0.1 (NCCL and the GPU where the
+accelerator is CUDA; at world 1 nothing is sent and the ratio column shows "-") through ``dsplug.initialize``
 and counts, with a ``dsplug.comm`` listener (the message sizes the comms logger reports), the
 bytes each rank SENDS per optimizer step: message size x a per-op factor -- all-reduce 2(n-1)/n,
 all-gather / reduce-scatter / all-to-all (n-1)/n (the comms logger's bus factors), reduce and
@@ -92,7 +94,7 @@ def _rank_run(stage: int, args) -> Dict[str, Any]:
     dsplug.comm.add_listener(listener)
     try:
         for step in range(args.steps + 1):
-            x = torch.randn(args.micro, args.width, generator=gen).to(dtype)
+            x = torch.randn(args.micro, args.width, generator=gen).to(device=engine.device, dtype=dtype)
             before = sent["bytes"]
             ops_before = dict(sent["ops"])
             start = time.perf_counter()
@@ -100,6 +102,7 @@ def _rank_run(stage: int, args) -> Dict[str, Any]:
             engine.backward(loss)
             memory = engine.stage.memory_breakdown()  # with this step's gradients, before the step
             engine.step()
+            engine.accelerator.synchronize()  # device work is asynchronous (a no-op on CPU)
             times.append(time.perf_counter() - start)
             if step > 0:
                 per_step.append((sent["bytes"] - before,
@@ -147,8 +150,10 @@ def main(argv=None) -> None:
             held = mem.get("parameters", 0) + mem.get("gradients", 0) + mem.get("optimizer_states", 0)
             est = r["estimate"]["device"]["total"] + r["estimate"]["host"]["total"]
             ops = ", ".join(f"{k} {v / psi:.2f}" for k, v in sorted(r["ops"].items()) if v)
+            # at world 1 nothing goes to another rank: the analysis is 0 and there is no ratio
+            versus = f"{sent / psi / analysis:>10.3f}" if analysis else f"{'-':>10}"
             print(f"{world:>5} {stage:>5} | {sent:>12,.0f} {sent / psi:>7.3f} {analysis:>9.3f} "
-                  f"{sent / psi / analysis:>10.3f} | {r['time'] * 1e3:>8.1f} | {held / 2 ** 20:>14.2f} "
+                  f"{versus} | {r['time'] * 1e3:>8.1f} | {held / 2 ** 20:>14.2f} "
                   f"{est / 2 ** 20:>11.2f} {held / est:>6.2f} | {ops}")
     if 1 in args.stages:
         print("stage 1: the estimate (the ZeRO paper's) counts full gradients, which stage 1 holds while "
