@@ -392,8 +392,15 @@ OFFLOADS = [
 ]
 
 
+#: bf16 trajectories of arithmetically different optimizers (CPU Adam on the host vs the fused GPU Adam) part
+#: after a few steps (torch DDP and FSDP2 differ from stage 0 by 0.1-0.2 at step 10 too): bf16 offload runs
+#: are compared with stage 0 on their first steps only, and an fp32 run checks the whole trajectory
+BF16_COMPARED_STEPS = 4
+
+
 def check_offload():
     reference = train_engine("bf16 stage 0 (reference)", "bf16", {"stage": 0})
+    fp32_reference = train_engine("fp32 stage 0 (reference)", "fp32", {"stage": 0})
     plain = {2: train_engine("bf16 stage 2 (no offload)", "bf16", {"stage": 2}),
              3: train_engine("bf16 stage 3 (no offload)", "bf16", {"stage": 3})}
     rows = []
@@ -401,7 +408,14 @@ def check_offload():
     for label, zero in OFFLOADS:
         row = train_engine(label, "bf16", zero, inspect=_inspect_offload)
         rows.append(row)
-        problems += check_row(row, reference, STAGE_TOL["bf16"])
+        problems += check_row(row, None, STAGE_TOL["bf16"])
+        early = rel_diff(row["losses"][:BF16_COMPARED_STEPS], reference["losses"][:BF16_COMPARED_STEPS])
+        if early > STAGE_TOL["bf16"]:
+            problems.append(f"{label}: first {BF16_COMPARED_STEPS} losses differ from {reference['label']}'s by "
+                            f"{early:.2e} (> {STAGE_TOL['bf16']:g})")
+        exact = train_engine(label.replace("bf16", "fp32"), "fp32", zero)
+        rows.append(exact)
+        problems += check_row(exact, fp32_reference, STAGE_TOL["fp32"])
         if row["optimizer"] != "DeepSpeedCPUAdam":
             problems.append(f"{label}: optimizer {row['optimizer']}, expected DeepSpeedCPUAdam (cpu_adam)")
         say(f"    cpu_adam backend: {row['op_backend']}")
@@ -420,9 +434,9 @@ def check_offload():
                 problems.append(f"{label}: peak GPU memory {row['peak_mib']:.0f} MiB, not below the "
                                 f"{base['peak_mib']:.0f} MiB of {base['label']}")
     backend = rows[0]["op_backend"]
-    ok = (f"pinned host buffers, DeepSpeedCPUAdam ({backend}), losses within {STAGE_TOL['bf16']:g} of stage 0"
+    ok = (f"pinned host buffers, DeepSpeedCPUAdam ({backend}), fp32 losses within {STAGE_TOL['fp32']:g} of stage 0"
           + ("" if not DRY else " (dry: no pinning on a CPU-only machine)"))
-    return (*verdict(problems, ok), {"rows": [reference, plain[2], plain[3], *rows]})
+    return (*verdict(problems, ok), {"rows": [reference, fp32_reference, plain[2], plain[3], *rows]})
 
 
 # -------------------------------------------------------------------------------- checkpoint round trip
@@ -670,7 +684,9 @@ def check_ops():
         dev_out = q.quantize_dequantize(x.to(device), bits, groups=groups, symmetric=symmetric).cpu()
         step = (x.view(groups, -1).amax(1) - x.view(groups, -1).amin(1)).max() / (2 ** bits - 1)
         worst = float((cpu_out - dev_out).abs().max())
-        off = float(((cpu_out - dev_out).abs() > 1e-6).float().mean())
+        # ulp-level differences (the GPU's fused multiply-add) are not a different rounding decision,
+        # which moves an element by a whole step: count only elements off by over 1e-3 of a step
+        off = float(((cpu_out - dev_out).abs() > 1e-3 * float(step)).float().mean())
         name = f"quantize_dequantize({device.type}) vs cpu, {bits}-bit, {groups} groups, sym={symmetric}"
         data[name] = {"max_abs": worst, "fraction_off": off}
         good = worst <= float(step) * 1.01 and off <= 1e-3

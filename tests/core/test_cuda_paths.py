@@ -183,7 +183,10 @@ def test_quantizer_on_cuda_matches_the_cpu(bits, groups, symmetric):
     on_cpu = quantize_dequantize(x, bits, groups=groups, symmetric=symmetric)
     on_gpu = quantize_dequantize(x.cuda(), bits, groups=groups, symmetric=symmetric)
     assert on_gpu.device.type == "cuda" and on_gpu.dtype == x.dtype
-    differ = (on_gpu.cpu() - on_cpu).abs() > 1e-6
+    # the GPU's fused multiply-add leaves the dequantized values a few ulps apart (1.9e-6 at |x| ~ 10 on an
+    # H100); a different rounding decision would move an element by a whole quantization step
+    step = float((x.view(groups, -1).amax(1) - x.view(groups, -1).amin(1)).max()) / (2 ** bits - 1)
+    differ = (on_gpu.cpu() - on_cpu).abs() > 1e-3 * step
     assert float(differ.float().mean()) <= 1e-3  # a rounding tie may land apart, nothing more
 
 
