@@ -10,7 +10,6 @@
 * :mod:`.runner`    -- each experiment as a real ``dsplug launch`` subprocess; the progress lines;
 * :mod:`.report`    -- the ranked results table;
 * :mod:`.autotuner` -- ``Autotuner`` / ``run_autotuning``, called by the launcher plugin;
-* ``add_tuning_arguments`` -- re-exported from the schedulers plugin (DeepSpeed's lr_schedules helper);
 * :mod:`.api`       -- the names of ``dsplug.autotuning`` (= ``deepspeed.autotuning``).
 
 Entry point ``autotuning = "dsplug.plugins.autotuning"``. Importing this package is cheap (no torch).
