@@ -47,11 +47,17 @@ class PipelineError(Exception):
 
 
 def checkpoint(function, *args):
-    """The default ``activation_checkpoint_func``: :func:`dsplug.checkpointing.checkpoint`, looked up
-    when called (the activation checkpointing plugin provides it)."""
-    from dsplug import checkpointing
+    """The default ``activation_checkpoint_func``: DeepSpeed's ``deepspeed.checkpointing.checkpoint``,
+    asked of the plugin that provides it (hook ``dsplug_activation_checkpoint_function``: the
+    activation checkpointing plugin) when called."""
+    from dsplug.registry import get_registry
 
-    return checkpointing.checkpoint(function, *args)
+    provided = get_registry().pm.hook.dsplug_activation_checkpoint_function()
+    if provided is None:
+        raise PipelineError("activation_checkpoint_interval > 0 needs an activation checkpointing function and no "
+                            "installed plugin provides one (the activation checkpointing plugin is blocked or not "
+                            "installed); pass activation_checkpoint_func= to PipelineModule")
+    return provided(function, *args)
 
 
 class LayerSpec:
