@@ -356,7 +356,9 @@ class LifecycleSpecs:
         writes the files crash-safely into the tag directory with its own and lists them in the
         manifest (verified when read). A name must be a plain file name, not one of the engine's
         files, and written by one rank only (a clash is an error naming the file). Values as for
-        ``dsplug_checkpoint_state``. Read them back in :meth:`dsplug_checkpoint_read`.
+        ``dsplug_checkpoint_state`` (written with ``torch.save``), or ``bytes`` written as they are
+        (a JSON index; read them back with :func:`dsplug.checkpoint.read_file_bytes`). Read them
+        back in :meth:`dsplug_checkpoint_read`.
         """
 
     @hookspec
