@@ -77,7 +77,7 @@ class PipelineCheckpoint:
         self.engine = engine
 
     @hookimpl
-    def dsplug_checkpoint_state(self, scope, options):
+    def dsplug_checkpoint_state(self, scope):
         if scope != "model":
             return None
         engine, module = self.engine, self.engine.module
