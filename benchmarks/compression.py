@@ -200,7 +200,7 @@ def quantized_layers(model) -> Dict[str, Any]:
 
 def int_codes(model, layers: Dict[str, Any]) -> Dict[str, Any]:
     """{layer name: QuantizedTensor} of the trained float weights (before the clean bakes them)."""
-    from dsplug.plugins.compression.quantize import quantize_to_int
+    from dsplug.ops.quantize import quantize_to_int
 
     return {name: quantize_to_int(model.get_submodule(name).weight.detach(), quant.bits, groups=quant.groups,
                                   symmetric=quant.symmetric)
@@ -216,7 +216,7 @@ def int_state_dict(cleaned, codes: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def load_int_state(model, state: Dict[str, Any]):
-    from dsplug.plugins.compression.quantize import QuantizedTensor
+    from dsplug.ops.quantize import QuantizedTensor
 
     plain = {key: QuantizedTensor.from_state_dict(value).dequantize() if isinstance(value, dict) else value
              for key, value in state.items()}
@@ -227,7 +227,7 @@ def load_int_state(model, state: Dict[str, Any]):
 # ------------------------------------------------------------------------------ the variants
 def run(args) -> None:
     from dsplug.compression.compress import init_compression, redundancy_clean
-    from dsplug.plugins.compression import quantize as quant_ops
+    from dsplug.ops import quantize as quant_ops
 
     torch.set_num_threads(args.threads)
     data = Data(args)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from dsplug.plugins.compression import quantize as Q
+from dsplug.ops import quantize as Q
 
 OURS = "dsplug native quantizer"
 FALLBACK = "torch fallback"

@@ -74,6 +74,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             model = method.compress(model)
         self.context.model = self.module = model
         self._place_model()
+        self.before_zero_stage(model)
         self.stage = self._build_stage(model, _param_groups(model, model_parameters, optimizer), optimizer)
         self.optimizer = self.stage.optimizer
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -100,6 +101,19 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             if name in methods:
                 return methods[name]
             raise
+
+    # ------------------------------------------------------------------ extension points for subclasses
+    # An engine subclass (the class a ``dsplug_engine_factory`` hook returns, see
+    # docs/writing-plugins.md) overrides the public methods of this class (``forward``, ``step``,
+    # ``load_checkpoint`` ...), overrides ``before_zero_stage``, and attaches parts of its own with
+    # ``add_observer``. Methods and attributes whose names start with ``_`` are not a contract.
+    def before_zero_stage(self, model) -> None:
+        """Called once by ``__init__``, after the precision, the compression methods and the model's
+        placement on its device (``self.config``, ``self.context``, ``self.precision``,
+        ``self.module``, ``self.expert_groups`` are set) and before the ZeRO stage -- and with it the
+        optimizer -- is built. Raise to refuse a combination the subclass cannot train (the
+        pipeline engine refuses ZeRO stages 2 and 3 here); the error reaches the caller of
+        ``initialize``. The base engine does nothing."""
 
     # ------------------------------------------------------------------ construction
     def _build_selected(self, category: str, *args):
@@ -195,7 +209,10 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         events.join(self.events, part, name or f"{type(part).__module__}.{type(part).__qualname__}")
 
     def add_observer(self, observer, name: Optional[str] = None) -> None:
-        """Attach an observer after initialize (it still receives ``dsplug_engine_built``)."""
+        """Attach an observer after initialize (it still receives ``dsplug_engine_built``): any
+        object whose methods implement lifecycle hooks, checkpoint ones included (an engine
+        subclass attaches its own checkpoint participant this way). ``name``: its name on the
+        engine's event bus (default: its class's dotted name)."""
         self._join(observer, name)
         self.observers.append(observer)
 

@@ -6,11 +6,14 @@ Files of a tag (DeepSpeed's names): the shared ``mp_rank_00_model_states.pt`` ho
 ``scope="model"`` contribution plus the engine's own record (counters, client_state, config);
 ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds rank ``r``'s ``scope="rank"``
 contributions; ``rng_state_rank_<r>.pt`` its RNG states. A plugin may add files of its own
-(``dsplug_checkpoint_files``, e.g. MoE experts one file each), written with the others and listed
-in the manifest; it reads them back in ``dsplug_checkpoint_read``, before any part loads.
+(``dsplug_checkpoint_files``, e.g. MoE experts one file each, the pipeline's layer files), written
+with the others and listed in the manifest; it reads them back in ``dsplug_checkpoint_read``, before
+any part loads, or -- an engine subclass loading in its own way -- after :func:`resolve_tag`, with
+:func:`dsplug.checkpoint.load_file` (checked against the manifest).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -128,6 +131,15 @@ def plugin_files(engine, shared: Dict[str, Any], options: SaveOptions) -> Dict[s
     return files
 
 
+def _save_plugin_file(state, path: str) -> Dict[str, Any]:
+    """A plugin's file: ``bytes`` as they are (a JSON index, say), anything else with torch.save."""
+    if isinstance(state, (bytes, bytearray)):
+        data = bytes(state)
+        ckpt.atomic_write_bytes(path, data)
+        return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return ckpt.atomic_save(state, path)
+
+
 def _implementers(engine, hook: str = "dsplug_checkpoint_state") -> str:
     return ", ".join(i.plugin_name for i in getattr(engine.events.hook, hook).get_hookimpls())
 
@@ -175,7 +187,7 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
         rng = ckpt.rng_file(engine.global_rank)
         files[rng] = ckpt.atomic_save(ckpt.rng_state(engine.accelerator), os.path.join(staging, rng))
         for name, state in extra.items():
-            files[name] = ckpt.atomic_save(state, os.path.join(staging, name))
+            files[name] = _save_plugin_file(state, os.path.join(staging, name))
         return files
 
     written = _on_every_rank("writing", write_files, gather=True)
@@ -203,8 +215,13 @@ def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, excl
     return True
 
 
-@comm.operation("load_checkpoint")  # a dead or stopped rank is named in the error
-def load_checkpoint(engine, load_dir, tag=None, **flags):
+def resolve_tag(load_dir, tag=None):
+    """The tag directory a load of ``tag`` from ``load_dir`` reads, or None when there is nothing
+    to load (warned). ``tag=None``: the newest complete checkpoint (``latest``, or a complete tag
+    a crashed save left newer than it), rank 0's answer on every rank (a collective); a missing
+    tag directory whose ``<tag>.old`` copy is complete (a save of the same tag died while
+    swapping) resolves to that copy. For engine subclasses that load in their own way, so that
+    every load resolves tags alike."""
     load_dir = os.fspath(load_dir)
     if tag is None:
         tag, why = _on_every_rank("finding the newest checkpoint", lambda: ckpt.newest_tag(load_dir), gather=True)[0]
@@ -213,8 +230,15 @@ def load_checkpoint(engine, load_dir, tag=None, **flags):
         if tag is None:
             log_rank0(f"warning: no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a "
                       "specific checkpoint)", logging.WARNING)
-            return None, None
-    path = _tag_dir(load_dir, str(tag))
+            return None
+    return _tag_dir(load_dir, str(tag))
+
+
+@comm.operation("load_checkpoint")  # a dead or stopped rank is named in the error
+def load_checkpoint(engine, load_dir, tag=None, **flags):
+    path = resolve_tag(load_dir, tag)
+    if path is None:
+        return None, None
     weights_only = engine.config.checkpoint.weights_only
     options = LoadOptions(**flags)
 

@@ -23,7 +23,10 @@ There are three kinds of hook:
   ``dsplug_auto_value``, ``dsplug_batch_sizes``, ``dsplug_engine_factory``) let a plugin extend
   the kernel's own services: the command line, DeepSpeed's import paths, memory estimates,
   Hugging Face ``"auto"`` values, the batch sizes (elastic training) and the engine class
-  ``initialize`` builds for a model (the pipeline engine for a ``PipelineModule``).
+  ``initialize`` builds for a model (the pipeline engine for a ``PipelineModule``). A few more
+  (``dsplug_gathered_parameters``, ``dsplug_flops_counter``,
+  ``dsplug_activation_checkpoint_function``, ``dsplug_launch_override``) are how one plugin
+  asks for what another provides: plugins never import each other's modules.
 * **Lifecycle hooks** (``dsplug_engine_built`` ...) are events of one engine. They are called
   on the engine's own event bus, which holds: the observers and monitors the config enabled;
   the parts the engine built that subclass a contract with checkpoint state (ZeRO stage,
@@ -216,6 +219,56 @@ class ServiceSpecs:
         cannot be trained with these arguments.
         """
 
+    # -- what one plugin asks of another: a plugin never imports another's modules, it asks these
+    #    hooks (through ``registry.pm.hook``); None means no installed plugin provides the service
+
+    @hookspec(firstresult=True)
+    def dsplug_gathered_parameters(self, params, modifier_rank):
+        """A context manager in which each parameter of ``params`` that your ZeRO stage holds
+        partitioned has its full value (DeepSpeed's ``deepspeed.zero.GatheredParameters``), or
+        None when none of them is yours.
+
+        Asked by plugins that read or change whole weights whatever the stage (compression
+        methods quantize and prune them), also to learn whether any parameter is partitioned at
+        all. ``params``: a list of parameters; ``modifier_rank``: None to read only (changes are
+        dropped on exit), or the data-parallel rank whose full values every rank keeps (its part)
+        on exit. Entering is a collective: every rank of the parameters' data-parallel group
+        enters with the same parameters. Building the context manager must communicate nothing.
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_flops_counter(self, module, accelerator):
+        """An object that counts the floating-point operations of ``module``'s forward passes, or
+        None when you provide none. It has DeepSpeed ``FlopsProfiler``'s methods:
+        ``start_profile()`` (start counting), ``stop_profile()`` (stop), ``get_total_flops()`` (the
+        operations of the forward passes in between) and ``end_profile()`` (remove every hook).
+
+        ``accelerator``: the engine's accelerator (for timings), or None. Asked by the autotuning
+        plugin to report FLOPS.
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_activation_checkpoint_function(self):
+        """The function ``checkpoint(function, *args)`` that returns ``function(*args)`` keeping
+        only ``args`` and recomputes ``function`` in the backward pass (DeepSpeed's
+        ``deepspeed.checkpointing.checkpoint``, configured by the engine's
+        ``activation_checkpointing`` section), or None when you provide none.
+
+        Asked by the pipeline plugin for a ``PipelineModule``'s default
+        ``activation_checkpoint_func``, each time it checkpoints (keep it cheap).
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_launch_override(self, args, resources):
+        """Run ``dsplug launch`` your own way for these arguments: return the exit status, or
+        None when they are not for you (the launcher then starts the script on every process).
+
+        Asked by the launcher after it resolved the hosts and before it starts anything; the
+        autotuning plugin answers for ``--autotuning tune|run`` (it runs experiments first).
+        ``args``: the parsed ``dsplug launch`` arguments (an ``argparse.Namespace``);
+        ``resources``: ``{host: [slot, ...]}``, what the launch would use.
+        """
+
 
 class LifecycleSpecs:
     """Events of one engine's training run. Every argument is passed by keyword."""
@@ -303,7 +356,9 @@ class LifecycleSpecs:
         writes the files crash-safely into the tag directory with its own and lists them in the
         manifest (verified when read). A name must be a plain file name, not one of the engine's
         files, and written by one rank only (a clash is an error naming the file). Values as for
-        ``dsplug_checkpoint_state``. Read them back in :meth:`dsplug_checkpoint_read`.
+        ``dsplug_checkpoint_state`` (written with ``torch.save``), or ``bytes`` written as they are
+        (a JSON index; read them back with :func:`dsplug.checkpoint.read_file_bytes`). Read them
+        back in :meth:`dsplug_checkpoint_read`.
         """
 
     @hookspec

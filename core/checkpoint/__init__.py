@@ -284,9 +284,9 @@ def newest_tag(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
                    "before updating 'latest'); loading it"
 
 
-def load_file(path: str, weights_only: bool = True) -> Any:
-    """``torch.load`` with clear errors naming the file, checked against the tag's manifest when
-    there is one (a flipped byte is named, never loaded)."""
+def read_file_bytes(path: str) -> bytes:
+    """The bytes of a checkpoint file, checked against the tag's manifest when there is one (a
+    flipped byte is named, never returned); errors name the file."""
     if not os.path.isfile(path):
         directory = os.path.dirname(path)
         present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
@@ -305,6 +305,13 @@ def load_file(path: str, weights_only: bool = True) -> Any:
         if problem:
             raise CheckpointError(f"checkpoint file {problem}: it is corrupt or was changed after saving "
                                   "(`dsplug checkpoint verify` checks a whole checkpoint)")
+    return data
+
+
+def load_file(path: str, weights_only: bool = True) -> Any:
+    """``torch.load`` with clear errors naming the file, checked against the tag's manifest when
+    there is one (a flipped byte is named, never loaded)."""
+    data = read_file_bytes(path)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file

@@ -1,8 +1,8 @@
-"""Builder of the quantizer op: group-wise fake quantization for the compression library.
+"""Builder of the quantizer op: group-wise (fake) quantization, the kernel's quantizer service.
 
 ``QuantizerBuilder().load()`` returns a :class:`QuantizerOp` whose ``native`` is the extension
 module (``quantize(...)`` on raw fp32 buffers), or ``None`` when the pure-torch fallback of
-``dsplug.plugins.compression.quantize`` must be used (one warning, as for every op). The
+``dsplug.ops.quantize`` must be used (one warning, as for every op). The
 formulas are in ``csrc/quantizer/quantizer.h`` and that module's docstring.
 
 Not DeepSpeed's CUDA ``QuantizerBuilder`` (``dsplug.ops.op_builder.QuantizerBuilder`` keeps that
@@ -22,7 +22,7 @@ class QuantizerOp(NativeOpHandle):
 
 class QuantizerBuilder(OpBuilder):
     """Fake quantization (symmetric / asymmetric, per group, nearest or stochastic rounding),
-    used by ``dsplug.plugins.compression.quantize``."""
+    used by ``dsplug.ops.quantize``."""
 
     NAME = "quantizer"
     EXT_NAME = "quantizer_op"

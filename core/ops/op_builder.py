@@ -66,7 +66,7 @@ TransformerBuilder = _unavailable("TransformerBuilder", "transformer", "torch's 
 StochasticTransformerBuilder = _unavailable("StochasticTransformerBuilder", "stochastic_transformer",
                                             "torch's own transformer layers")
 QuantizerBuilder = _unavailable("QuantizerBuilder", "quantizer",
-                                "dsplug.plugins.compression.quantize (dsplug's own quantizer op, another API)")
+                                "dsplug.ops.quantize (dsplug's own quantizer op, another API)")
 FPQuantizerBuilder = _unavailable("FPQuantizerBuilder", "fp_quantizer", "torch's quantization")
 InferenceBuilder = _unavailable("InferenceBuilder", "transformer_inference", "torch's own modules")
 InferenceCoreBuilder = _unavailable("InferenceCoreBuilder", "inference_core_ops", "torch's own modules")

@@ -1,6 +1,6 @@
 // The quantizer op: group-wise fake quantization kernels (see quantizer.h for the formulas) and
 // their Python bindings. Arguments are raw data pointers (ints) of contiguous fp32 / int8 / uint8
-// CPU tensors that the Python wrapper (dsplug.plugins.compression.quantize) allocated and checked;
+// CPU tensors that the Python wrapper (dsplug.ops.quantize) allocated and checked;
 // each call releases the GIL for its whole duration.
 //
 // Work split: with many groups (or small ones) a unit of work is a run of whole groups, each

@@ -1,6 +1,6 @@
 // Group-wise fake quantization (quantize, then dequantize) on raw fp32 CPU buffers.
 //
-// The contract (dsplug.plugins.compression.quantize documents it in full; the pure-torch fallback
+// The contract (dsplug.ops.quantize documents it in full; the pure-torch fallback
 // there computes the same float32 operations in the same order, so both agree bitwise):
 //   x (n floats) is split into `groups` equal contiguous groups. Per group, in float32:
 //     symmetric:  qmax = 2^(bits-1) - 1;  scale = max|x| / qmax;           offset = 0

@@ -48,3 +48,11 @@ def dsplug_api_modules():
     api = f"{__name__}.checkpointing"
     return [ApiModule("dsplug.checkpointing", api),
             ApiModule("dsplug.runtime.activation_checkpointing.checkpointing", api)]
+
+
+@hookimpl
+def dsplug_activation_checkpoint_function():
+    """:func:`.checkpointing.checkpoint` (the pipeline's default ``activation_checkpoint_func``)."""
+    from .checkpointing import checkpoint
+
+    return checkpoint

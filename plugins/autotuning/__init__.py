@@ -9,8 +9,8 @@
 * :mod:`.tuner`     -- gridsearch / random / model_based order, trial budget, early stopping;
 * :mod:`.runner`    -- each experiment as a real ``dsplug launch`` subprocess; the progress lines;
 * :mod:`.report`    -- the ranked results table;
-* :mod:`.autotuner` -- ``Autotuner`` / ``run_autotuning``, called by the launcher plugin;
-* ``add_tuning_arguments`` -- re-exported from the schedulers plugin (DeepSpeed's lr_schedules helper);
+* :mod:`.autotuner` -- ``Autotuner`` / ``run_autotuning``, run for ``dsplug launch --autotuning``
+  (the launcher asks the ``dsplug_launch_override`` hook below);
 * :mod:`.api`       -- the names of ``dsplug.autotuning`` (= ``deepspeed.autotuning``).
 
 Entry point ``autotuning = "dsplug.plugins.autotuning"``. Importing this package is cheap (no torch).
@@ -38,3 +38,13 @@ def dsplug_observers():
 @hookimpl
 def dsplug_api_modules():
     return [ApiModule("dsplug.autotuning", "dsplug.plugins.autotuning.api")]
+
+
+@hookimpl
+def dsplug_launch_override(args, resources):
+    """``dsplug launch --autotuning tune|run``: tune (and then train) instead of one launch."""
+    if not getattr(args, "autotuning", ""):
+        return None
+    from .autotuner import run_autotuning
+
+    return run_autotuning(args, resources)

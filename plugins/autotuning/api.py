@@ -2,7 +2,6 @@
 plugin through ``dsplug_api_modules``."""
 from __future__ import annotations
 
-from dsplug.plugins.schedulers.tuning_arguments import add_tuning_arguments  # DeepSpeed's, an lr_schedules helper
 from .autotuner import PROFILE_RUN, Autotuner, load_summary, run_autotuning
 from .config import AutotuningConfig, ModelInfoConfig
 from .space import DEFAULT_KNOB_SPACES, AutotuningError, Candidate
@@ -13,4 +12,4 @@ DeepSpeedAutotuningConfig = AutotuningConfig
 
 __all__ = ["Autotuner", "AutotuningConfig", "AutotuningError", "Candidate", "DEFAULT_KNOB_SPACES",
            "DeepSpeedAutotuningConfig", "GridSearchTuner", "ModelBasedTuner", "ModelInfoConfig", "PROFILE_RUN",
-           "RandomTuner", "add_tuning_arguments", "load_summary", "run_autotuning"]
+           "RandomTuner", "load_summary", "run_autotuning"]

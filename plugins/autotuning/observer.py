@@ -15,7 +15,7 @@ Active only when the experiment's config says so (:func:`build_observer`):
       flops      = 3 * forward FLOPs of one micro-batch * gradient_accumulation_steps / latency
                                                                                 (FLOPS per GPU)
 
-  The forward FLOPs come from dsplug's flops profiler (``dsplug.profiling.flops_profiler``),
+  The forward FLOPs come from the plugin answering ``dsplug_flops_counter`` (the flops profiler),
   counted on the first forward of step 0 (outside the measured window, so the profiler's hooks
   do not slow the timing) -- or, when ``start_profile_step`` is 0, on the step after the window,
   which then runs one extra step. Backward is taken as twice the forward, DeepSpeed's
@@ -36,6 +36,7 @@ from typing import Any, Dict, Optional
 
 from dsplug.contracts import Observer
 from dsplug.hookspecs import hookimpl
+from dsplug.registry import get_registry
 
 
 def write_json_atomic(path: str, data: Dict[str, Any]) -> None:
@@ -139,14 +140,16 @@ class AutotuningObserver(Observer):
 
     # ------------------------------------------------------------------ metric run
     def _start_flops(self, engine) -> None:
-        try:
-            from dsplug.profiling.flops_profiler import FlopsProfiler
-        except (ImportError, AttributeError) as exc:  # the flops profiler plugin is blocked or missing
-            self.flops_note = f"no flops profiler: {exc}"
+        registry = getattr(self.context, "registry", None) or get_registry()
+        counter = registry.pm.hook.dsplug_flops_counter(module=engine.module,
+                                                         accelerator=getattr(self.context, "accelerator", None))
+        if counter is None:  # the flops profiler plugin is blocked or missing
+            self.flops_note = ("no flops profiler: no installed plugin counts FLOPs (dsplug_flops_counter; the "
+                               "flops profiler plugin is blocked or not installed)")
             self.forward_flops = None
             self.flops_step = -1
             return
-        self._profiler = FlopsProfiler(engine.module, accelerator=getattr(self.context, "accelerator", None))
+        self._profiler = counter
         self._profiler.start_profile()
 
     def _finish_metric(self, engine) -> None:

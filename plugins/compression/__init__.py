@@ -10,8 +10,8 @@ Each method registers on its own (an entry point per module) and is selected by 
   physical removal by ``redundancy_clean``
 
 Shared pieces: :mod:`.layers` (the compressed Linear / Conv2d layer), :mod:`.selection` (name
-patterns), :mod:`.method` and :mod:`.pruning` (schedules, state), :mod:`.quantize` and
-:mod:`.masks` (the tensor math; quantization has a native op), :mod:`.shrink` (physical
+patterns), :mod:`.method` and :mod:`.pruning` (schedules, state), :mod:`.masks`
+(the mask math; quantization is the kernel's :mod:`dsplug.ops.quantize`, a native op), :mod:`.shrink` (physical
 removal), :mod:`.api` (``init_compression`` / ``redundancy_clean``, DeepSpeed's
 ``deepspeed.compression.compress``).
 """

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsplug.ops import quantize as quant_ops
+
 from . import masks as mask_ops
-from . import quantize as quant_ops
 
 #: momentum of the static activation range (an exponential moving average of batch min / max)
 STATIC_RANGE_MOMENTUM = 0.95

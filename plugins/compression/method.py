@@ -39,9 +39,17 @@ class Target:
         self.related = related  # dotted names of the related modules (resolved at compress)
 
 
+def _gathering(params, modifier_rank):
+    """The context manager of the ZeRO stage that holds some of ``params`` partitioned (hook
+    ``dsplug_gathered_parameters``), or None when none is partitioned."""
+    from dsplug.registry import get_registry
+
+    return get_registry().pm.hook.dsplug_gathered_parameters(params=list(params), modifier_rank=modifier_rank)
+
+
 def is_partitioned(params) -> bool:
-    """True when ZeRO stage 3 holds these parameters partitioned (``ds_id`` is stage 3's marker)."""
-    return any(hasattr(p, "ds_id") for p in params)
+    """True when a ZeRO stage holds some of these parameters partitioned (stage 3 does)."""
+    return _gathering([p for p in params if p is not None], None) is not None
 
 
 _whole = threading.local()  # inside gathered(..., whole_model=True): everything is gathered already
@@ -49,16 +57,15 @@ _whole = threading.local()  # inside gathered(..., whole_model=True): everything
 
 @contextlib.contextmanager
 def gathered(params, modify: bool = False, whole_model: bool = False):
-    """Full parameters inside the block: ZeRO stage 3's ``GatheredParameters`` for partitioned ones
-    (changes written back from rank 0 when ``modify``), nothing to do otherwise. ``whole_model``
-    marks a block that gathered every parameter (nested calls then do nothing)."""
+    """Full parameters inside the block: the ZeRO stage's ``GatheredParameters`` for partitioned
+    ones (changes written back from rank 0 when ``modify``), nothing to do otherwise.
+    ``whole_model`` marks a block that gathered every parameter (nested calls then do nothing)."""
     params = [p for p in params if p is not None]
-    if getattr(_whole, "active", False) or not is_partitioned(params):
+    context = None if getattr(_whole, "active", False) else _gathering(params, 0 if modify else None)
+    if context is None:
         yield
         return
-    from dsplug.zero import GatheredParameters
-
-    with GatheredParameters(params, modifier_rank=0 if modify else None):
+    with context:
         _whole.active = whole_model
         try:
             yield

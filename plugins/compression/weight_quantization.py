@@ -3,7 +3,7 @@
 Schedule (``k = step - schedule_offset``, from 0 at the offset): before the offset weights are
 full precision; then each group's bit width is ``max(target_bits, start_bits - k //
 quantization_period)``. With ``fp16_mixed_quantize`` the layer uses ``(1 - r) * w + r * Q(w)``
-with ``r = min(1, quantize_change_ratio * (k + 1))``. ``Q`` is :mod:`.quantize`'s grid
+with ``r = min(1, quantize_change_ratio * (k + 1))``. ``Q`` is :mod:`dsplug.ops.quantize`'s grid
 (``quantize_groups`` groups per matrix, symmetric or asymmetric, nearest or stochastic).
 
 Where the quantization happens (``quantize_weight_in_forward``):
@@ -23,8 +23,8 @@ from typing import Any, Dict
 import torch
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.ops import quantize as quant_ops
 
-from . import quantize as quant_ops
 from .config import WeightQuantizationConfig
 from .layers import WeightQuant, check_same, make_plain
 from .method import ScheduledMethod, Target, gathered, is_partitioned

@@ -10,7 +10,8 @@ enabled the factory builds a :class:`DataEfficiency` observer on the engine's ev
 * checkpoints the sampler and the random-LTD schedule (shared file keys
   ``data_efficiency.data_sampler`` / ``data_efficiency.random_ltd``);
 * adds ``engine.set_custom_curriculum_learning_schedule`` (curriculum on) and
-  ``engine.random_ltd_initialize`` / ``engine.random_ltd_scheduler`` (random-LTD on).
+  ``engine.random_ltd_initialize`` / ``engine.random_ltd_scheduler`` /
+  ``engine.convert_to_random_ltd(layer_class)`` (random-LTD on).
 
 Every engine also gets DeepSpeed's accessors (``data_efficiency_enabled()``,
 ``curriculum_learning_enabled()``, ``random_ltd_enabled()``, ``..._config()``,
@@ -81,6 +82,14 @@ class DataEfficiency(Observer):
             self.sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
 
     # ------------------------------------------------------------------ random-LTD
+    def convert_to_random_ltd(self, engine, layer_class):
+        """``engine.convert_to_random_ltd(layer_class)``: DeepSpeed's ``convert_to_random_ltd(engine,
+        layer_class)`` as an engine method, for code that reaches random-LTD through the engine
+        (the ``dsplug train`` model) rather than through the import path."""
+        from .random_ltd import convert_to_random_ltd
+
+        return convert_to_random_ltd(engine, layer_class)
+
     def random_ltd_initialize(self, engine):
         from .random_ltd import initialize_layers
 
@@ -118,6 +127,7 @@ class DataEfficiency(Observer):
         if self.random_ltd:
             methods["random_ltd_initialize"] = lambda: self.random_ltd_initialize(engine)
             methods["random_ltd_scheduler"] = self.scheduler  # DeepSpeed's engine attribute
+            methods["convert_to_random_ltd"] = lambda layer_class: self.convert_to_random_ltd(engine, layer_class)
         return methods
 
     @hookimpl

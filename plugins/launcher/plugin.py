@@ -47,8 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="processes per node; the CPU spelling of --num_gpus")
     p.add_argument("--num_nodes", type=positive_int, default=None, metavar="K",
                    help="use the first K hosts of the hostfile")
-    p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
-                   help="hostfile ('<host> slots=<N>' lines); default /job/hostfile if it exists")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                       help="hostfile ('<host> slots=<N>' lines); default /job/hostfile if it exists")
+    hosts.add_argument("--no_hostfile", action="store_true",
+                       help="this machine only, even when /job/hostfile exists (dsplug's)")
     filt = p.add_mutually_exclusive_group()
     filt.add_argument("-i", "--include", default="", metavar="SPEC",
                       help="hosts/slots to use: HOST[:SLOT[,SLOT...]][@HOST...], e.g. 'worker-0@worker-1:0,2'")
@@ -101,19 +104,36 @@ def run(args) -> int:
             ssh_port=args.ssh_port,
             local_devices=lambda: max(1, int(_accelerator().device_count())),
             visible_devices_env=lambda: getattr(_accelerator(), "visible_devices_env", None) or "CUDA_VISIBLE_DEVICES",
+            **({"default_hostfile": ""} if args.no_hostfile else {}),
         )
         plan = elastic_plan(plan_launch(request), request, args)
     except LaunchError as exc:
         print(f"dsplug launch: error: {exc}", file=sys.stderr)
         return 2
-    if getattr(args, "autotuning", ""):
-        from dsplug.autotuning import run_autotuning  # the autotuning plugin's
-        return run_autotuning(args, plan.resources)
+    overridden = _launch_override(args, plan.resources)
+    if overridden is not None:
+        return overridden
     if args.print_only:
         for node in plan.nodes:
             print(node.display())
         return 0
     return execute(plan)
+
+
+def _launch_override(args, resources):
+    """The exit status of a plugin that runs this launch its own way (hook ``dsplug_launch_override``:
+    the autotuning plugin for ``--autotuning``), or None to launch as usual."""
+    import sys
+
+    from dsplug.registry import get_registry
+
+    status = get_registry().pm.hook.dsplug_launch_override(args=args, resources=resources)
+    if status is None and getattr(args, "autotuning", ""):
+        print(f"dsplug launch: error: --autotuning {args.autotuning} needs the autotuning plugin, which is not "
+              "installed or is blocked (DSPLUG_BLOCK_PLUGINS); `dsplug list` shows what is installed",
+              file=sys.stderr)
+        return 2
+    return status
 
 
 def _accelerator():

@@ -39,7 +39,7 @@ def _force(context) -> bool:
 
 
 def _options(selected) -> Dict:
-    from dsplug.plugins.optimizers.common import options_of
+    from dsplug.config.params import options_of
 
     return options_of(selected.params, selected.type)
 

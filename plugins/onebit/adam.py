@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from dsplug.plugins.optimizers.multi_tensor import adam_buckets
+from dsplug.ops.multi_tensor import adam_buckets
 
 from .common import OneBitOptimizer, check_deepspeed_arguments
 

@@ -43,13 +43,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from dsplug.plugins.optimizers.adam_optimizer import (
+from dsplug.ops.multi_tensor import (
     AdamHyper,
+    Bucket,
+    check_hyperparameters,
     foreach_adam_step,
     fused_adam_step,
     fused_kernel_available,
 )
-from dsplug.plugins.optimizers.multi_tensor import Bucket, check_hyperparameters
 
 _CPU_ADAM_OP = None
 
@@ -65,11 +66,11 @@ def _cpu_adam_op():
 
 def native_adam_fits(param_groups) -> bool:
     """Whether the ``AdamW`` optimizer type would step these parameters with the native cpu_adam
-    op (the same test as :func:`dsplug.plugins.optimizers.adam.build_adam`)."""
-    from dsplug.plugins.optimizers.adam import _native_cpu_adam_fits
+    op (the kernel's test, :func:`dsplug.ops.adam.cpu_adam.native_cpu_adam_fits`, which it uses)."""
+    from dsplug.ops.adam.cpu_adam import native_cpu_adam_fits
 
     tensors = [p for g in param_groups for p in g["params"]]
-    return bool(tensors) and all(p.is_contiguous() for p in tensors) and _native_cpu_adam_fits(param_groups, {})
+    return bool(tensors) and all(p.is_contiguous() for p in tensors) and native_cpu_adam_fits(param_groups)
 
 
 def scaling_coefficients(tensors: Sequence[torch.Tensor]) -> List[float]:
@@ -116,7 +117,7 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     """
 
     #: ZeRO stages 1-3 hand an optimizer flat slices mixing parameters: these compress and scale
-    #: whole tensors, so they are refused there (see dsplug.plugins.zero.optimizer_check)
+    #: whole tensors, so they are refused there (the ZeRO stages' optimizer check reads this)
     dsplug_elementwise = False
     #: the name in messages
     NAME = "OneBit"

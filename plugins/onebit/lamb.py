@@ -7,7 +7,7 @@ p the state adds to LAMB's m, v: ``lamb_coeff_freeze`` c̄ (0 at first), ``last_
 ``exp_avg_sq_fresh`` v', ``scaling_coeff``, ``var_step`` k.
 
 **Warm-up, t ≤ F** — gradients all-reduced by the ZeRO stage; exactly the ``Lamb`` optimizer
-type (:class:`dsplug.plugins.optimizers.lamb_optimizer.FusedLamb`, no gradient clipping, same
+type (:class:`dsplug.ops.lamb.FusedLamb`, no gradient clipping, same
 operations, bit-identical)::
 
     m ← β1·m + (1−β1)·g ;   v ← β2·v + (1−β2)·g²
@@ -46,8 +46,7 @@ from typing import List
 
 import torch
 
-from dsplug.plugins.optimizers.lamb_optimizer import trust_ratios
-from dsplug.plugins.optimizers.multi_tensor import adam_buckets, bias_corrections, update_moments
+from dsplug.ops.multi_tensor import adam_buckets, bias_corrections, trust_ratios, update_moments
 
 from .common import OneBitOptimizer, check_deepspeed_arguments
 

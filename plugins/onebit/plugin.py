@@ -25,15 +25,8 @@ from __future__ import annotations
 from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.config.params import betas_check, cross_checks, given, options_of, selected_optimizer_type, zero_stage
 from dsplug.config.schema import MAX_LR, field, schema
-from dsplug.plugins.optimizers.common import (
-    betas_check,
-    cross_checks,
-    given,
-    options_of,
-    selected_optimizer_type,
-    zero_stage,
-)
 
 #: the checkpoint key of each rank's own 1-bit state (in that rank's file)
 RANK_KEY = "onebit"

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import torch
 
-from dsplug.plugins.optimizers.multi_tensor import adam_buckets, update_moments
+from dsplug.ops.multi_tensor import adam_buckets, update_moments
 
 from .common import OneBitOptimizer, check_deepspeed_arguments
 

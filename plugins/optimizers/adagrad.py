@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Optional
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.config.params import options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
-from .common import call_torch_optimizer, options_of, untested_with_zero
+from .common import call_torch_optimizer, untested_with_zero
 
 
 @schema

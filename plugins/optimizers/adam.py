@@ -14,9 +14,10 @@ from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
 from dsplug.descriptors import ApiModule
+from dsplug.config.params import betas_check, cross_checks, given, options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
-from .common import betas_check, call_torch_optimizer, cross_checks, given, options_of
+from .common import call_torch_optimizer
 
 
 def _amsgrad_needs_torch_adam(data):
@@ -88,31 +89,15 @@ def build_adam(params, options: dict, type_name: str, decoupled: bool):
                     f"torch_adam: true builds torch.optim.{cls.__name__}, which has no such option"
                 )
         return call_torch_optimizer(cls, params, options, type_name)
-    if _native_cpu_adam_fits(params, options):
-        from dsplug.ops.adam import DeepSpeedCPUAdam
+    from dsplug.ops.adam.cpu_adam import DeepSpeedCPUAdam, native_cpu_adam_fits
 
+    if native_cpu_adam_fits(params, options.get("set_grad_none", True)):
         return DeepSpeedCPUAdam(params, lr=options.get("lr", 1e-3), bias_correction=options.get("bias_correction", True),
                                 betas=options.get("betas", (0.9, 0.999)), eps=options.get("eps", 1e-8),
                                 weight_decay=options.get("weight_decay", 0.0), adamw_mode=decoupled)
     from .adam_optimizer import FusedAdam
 
     return FusedAdam(params, adam_w_mode=decoupled, **options)
-
-
-def _native_cpu_adam_fits(params, options) -> bool:
-    """CPU-resident fp32 states step through the native cpu_adam op (one SIMD pass per tensor)
-    when it can be built here; DSPLUG_DISABLE_NATIVE_OPS=1 keeps FusedAdam."""
-    import torch
-
-    from dsplug.op_builder import native_disabled, op_status
-
-    if native_disabled() or options.get("set_grad_none", True) is not True:  # cpu_adam always drops grads
-        return False
-    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    if not tensors or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
-    return op_status("cpu_adam").compatible
-
 
 
 def adam_factory(params, config, context=None):

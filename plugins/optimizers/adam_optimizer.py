@@ -12,7 +12,8 @@ One step, for every parameter p with gradient g (t = steps taken, counting this 
     p ← p − lr · (m / (1−β1^t)) / (√(v / (1−β2^t)) + ε)      (corrections are 1 without
                                                               bias_correction)
 
-Two implementations of that step, chosen per bucket of same-device, same-dtype parameters:
+Two implementations of that step (the kernel's :mod:`dsplug.ops.multi_tensor`, shared with the
+other Adam-family optimizers), chosen per bucket of same-device, same-dtype parameters:
 
 * :func:`foreach_adam_step` — the formula above in ``torch._foreach_*`` ops (several passes over
   memory; one kernel launch per op on GPUs). Always available; the reference.
@@ -24,18 +25,18 @@ Two implementations of that step, chosen per bucket of same-device, same-dtype p
 """
 from __future__ import annotations
 
-import math
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
-from .multi_tensor import (
-    Bucket,
+from dsplug.ops.multi_tensor import (
+    AdamHyper,
     adam_buckets,
-    bias_corrections,
     check_hyperparameters,
     fill_group_defaults,
-    update_moments,
+    foreach_adam_step,
+    fused_adam_step,
+    fused_kernel_available,
 )
 
 
@@ -98,75 +99,3 @@ class FusedAdam(torch.optim.Optimizer):
                     foreach_adam_step(bucket, step, hyper)
                 bucket.advance(step)
         return loss
-
-
-class AdamHyper:
-    """The hyper-parameters of one param group, as plain Python numbers."""
-
-    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction")
-
-    @classmethod
-    def of(cls, group: dict) -> "AdamHyper":
-        hyper = cls()
-        hyper.lr = float(group["lr"])
-        hyper.beta1, hyper.beta2 = (float(b) for b in group["betas"])
-        hyper.eps = float(group["eps"])
-        hyper.weight_decay = float(group["weight_decay"])
-        hyper.decoupled = bool(group["adam_w_mode"])
-        hyper.bias_correction = bool(group["bias_correction"])
-        return hyper
-
-
-def foreach_adam_step(bucket: Bucket, step: int, h: AdamHyper) -> None:
-    """The Adam step of the module docstring, written in multi-tensor ops."""
-    bc1, bc2 = bias_corrections(step, h.beta1, h.beta2, h.bias_correction)
-    grads = bucket.grads
-    if h.weight_decay != 0 and not h.decoupled:
-        grads = torch._foreach_add(grads, bucket.params, alpha=h.weight_decay)
-    update_moments(bucket, grads, h.beta1, h.beta2)
-    if h.weight_decay != 0 and h.decoupled:
-        torch._foreach_mul_(bucket.params, 1.0 - h.lr * h.weight_decay)
-    denom = torch._foreach_sqrt(bucket.exp_avg_sqs)
-    torch._foreach_div_(denom, math.sqrt(bc2))
-    torch._foreach_add_(denom, h.eps)
-    torch._foreach_addcdiv_(bucket.params, bucket.exp_avgs, denom, value=-h.lr / bc1)
-
-
-def fused_adam_step(bucket: Bucket, step: int, h: AdamHyper) -> None:
-    """The same step in torch's single-pass fused kernel (bias correction always on)."""
-    kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
-    step_count = torch.full((), float(step), dtype=torch.float32, device=bucket.params[0].device)
-    kernel(
-        bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs,
-        [],  # no AMSGrad maxima
-        [step_count] * len(bucket.params),  # read by the kernel for the bias corrections
-        lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
-        amsgrad=False, maximize=False,
-    )
-
-
-_FUSED_KERNEL_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
-
-
-def fused_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's fused Adam kernels run for this device type and dtype (probed once)."""
-    key = (device.type, dtype)
-    if key not in _FUSED_KERNEL_WORKS:
-        _FUSED_KERNEL_WORKS[key] = _probe_fused_kernel(device, dtype)
-    return _FUSED_KERNEL_WORKS[key]
-
-
-def _probe_fused_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    if not (hasattr(torch, "_fused_adam_") and hasattr(torch, "_fused_adamw_")):
-        return False
-
-    def one():
-        return [torch.zeros(2, device=device, dtype=dtype)]
-
-    try:
-        for kernel in (torch._fused_adam_, torch._fused_adamw_):
-            kernel(one(), one(), one(), one(), [], [torch.ones((), device=device)],
-                   lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
-        return True
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False

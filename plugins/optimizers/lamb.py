@@ -5,9 +5,8 @@ from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
 from dsplug.descriptors import ApiModule
+from dsplug.config.params import betas_check, cross_checks, given, options_of
 from dsplug.config.schema import MAX_LR, field, schema
-
-from .common import betas_check, cross_checks, given, options_of
 
 
 def _no_amsgrad(value):

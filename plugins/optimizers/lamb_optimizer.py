@@ -22,7 +22,14 @@ from typing import List
 
 import torch
 
-from .multi_tensor import adam_buckets, bias_corrections, check_hyperparameters, fill_group_defaults, update_moments
+from dsplug.ops.multi_tensor import (
+    adam_buckets,
+    bias_corrections,
+    check_hyperparameters,
+    fill_group_defaults,
+    trust_ratios,
+    update_moments,
+)
 
 #: FusedLamb adds this to the gradient norm before comparing it with ``max_grad_norm``.
 GRAD_NORM_EPS = 1e-6
@@ -114,14 +121,6 @@ class FusedLamb(torch.optim.Optimizer):
                 self.lamb_coeffs.extend(ratios.unbind(0))
                 bucket.advance(step)
         return loss
-
-
-def trust_ratios(params, updates, min_coeff: float, max_coeff: float) -> torch.Tensor:
-    """‖p‖ / ‖u‖ per tensor, clipped to [min_coeff, max_coeff]; 1 where either norm is 0."""
-    w = torch.stack(torch._foreach_norm(params))
-    u = torch.stack(torch._foreach_norm(updates))
-    ratio = (w / u).clamp(min=min_coeff, max=max_coeff)
-    return torch.where((w > 0) & (u > 0), ratio, torch.ones_like(ratio))
 
 
 def _clip_factor(buckets, max_grad_norm: float):

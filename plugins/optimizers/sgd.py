@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Optional
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.config.params import cross_checks, given, options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
-from .common import call_torch_optimizer, cross_checks, given, options_of, untested_with_zero
+from .common import call_torch_optimizer, untested_with_zero
 
 
 def _nesterov_needs_momentum(data):

@@ -15,9 +15,10 @@ import functools
 from typing import Any, List, Optional, Tuple, Union
 
 from dsplug import PluginSpec, hookimpl
+from dsplug.config.params import options_of, selected_optimizer_type
 from dsplug.config.schema import field, schema
 
-from .common import call_torch_optimizer, options_of, selected_optimizer_type, untested_with_zero
+from .common import call_torch_optimizer, untested_with_zero
 from .torch_signatures import REQUIRED, Argument, OptimizerSignature, optimizer_signatures
 
 #: Types provided by dsplug's own optimizer plugins (adam, sgd, adagrad modules).

@@ -3,31 +3,31 @@
 A pipeline engine saves like any engine (the shared file ``mp_rank_<stage>_model_states.pt`` of
 each stage with its module, counters, scheduler and client state; ``zero_pp_rank_<dp>_mp_rank_<stage>
 _optim_states.pt`` per rank with the ZeRO stage's and precision's state; RNG states), and adds,
-written by each stage's first data-parallel rank into the same tag directory:
+through the kernel's ``dsplug_checkpoint_files`` hook (so the engine writes them crash-safely with
+its own and lists them in the tag's ``manifest.json``), from each stage's first data-parallel rank:
 
 * ``layer_XX-model_states.pt`` -- each layer's ``state_dict()`` (DeepSpeed's per-layer files;
   ``layer_XX-model_YY-model_states.pt`` with a tensor-model axis);
 * ``layer_XX-optim_states.pt`` -- each layer's optimizer state, whole: for every trained
   parameter (by its name in the layer) the fp32 master value and the optimizer's state entries
   (gathered from the ZeRO-1 partitions through the stage's full-value API);
-* ``pipe_stage_SS-layers.json`` -- the layout (number of stages, boundaries, layers) and the
-  sha256 / size of those files (they are not in the tag's manifest, which covers the engine's
-  own files; each is checked against this record when read).
+* ``pipe_stage_SS-layers.json`` -- the stage's layout (number of stages, boundaries, its layers
+  and files).
 
 Loading with the saved layout is the engine's ordinary load (module, optimizer, RNG: exact).
-With another number of stages or other boundaries, each stage reads its layers' files: weights,
-fp32 masters and optimizer state go in through the ZeRO stage's full-value API (an optimizer
-without state yet gets it from one step on zero gradients whose update is undone), the
-optimizer's hyperparameters (lr ...) come from the saved stage 0, and every other part (counters,
-scheduler, precision, client state, monitors) loads from stage 0's shared file and this rank's
-data-parallel file as usual. RNG states are not carried across layouts (they belong to ranks).
-Scalar optimizer state (a step count) is the same for every parameter of a layer and is written
-to every optimizer entry.
+With another number of stages or other boundaries, each stage reads its layers' files (checked
+against the manifest, like every checkpoint file): weights, fp32 masters and optimizer state go in
+through the ZeRO stage's full-value API (an optimizer without state yet gets it from one step on
+zero gradients whose update is undone), the optimizer's hyperparameters (lr ...) come from the
+saved stage 0, and every other part (counters, scheduler, precision, client state, monitors)
+loads from stage 0's shared file and this rank's data-parallel file as usual. Either way the tag
+is resolved by the kernel (:func:`dsplug.engine_checkpoint.resolve_tag`). RNG states are not
+carried across layouts (they belong to ranks). Scalar optimizer state (a step count) is the same
+for every parameter of a layer and is written to every optimizer entry.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, Callable, Dict, List, Optional
 
@@ -36,9 +36,10 @@ import torch
 from dsplug import checkpoint as ckpt
 from dsplug import comm, hookimpl
 from dsplug.contracts.checkpoint import CheckpointView, LoadOptions
+from dsplug.engine_checkpoint import resolve_tag
 from dsplug.logging import log_rank0
 
-from .module import layer_file_name, read_layer_file
+from .module import layer_file_name
 
 FORMAT = 1
 
@@ -76,34 +77,37 @@ class PipelineCheckpoint:
         self.engine = engine
 
     @hookimpl
-    def dsplug_checkpoint_state(self, scope, options):
+    def dsplug_checkpoint_state(self, scope):
         if scope != "model":
             return None
         engine, module = self.engine, self.engine.module
         record = {"format": FORMAT, "num_stages": module.num_stages, "parts": list(module.parts),
                   "num_layers": module._num_layers, "stage_id": module.stage_id,
                   "optimizer_param_groups": _hyperparameters(engine.optimizer)}
-        staging = ckpt.partial_dir(options.save_dir, options.tag) if options.save_dir else ""
-        if staging and os.path.isdir(staging):
-            self._write_layer_files(staging, options)
         return {"pipe": record}
 
-    def _write_layer_files(self, staging: str, options) -> None:
+    @hookimpl
+    def dsplug_checkpoint_files(self, options):
+        """This stage's layer files and layout index (from its first data-parallel rank; every rank
+        takes part in gathering the optimizer state)."""
         engine, module = self.engine, self.engine.module
         first = module.mpu().get_data_parallel_id() == 0
-        files = module.save_state_dict(staging, exclude_frozen_params=options.exclude_frozen_parameters)
+        model_repr = module._model_repr()
+        files: Dict[str, Any] = {}
+        if first:
+            files.update(module.layer_state_dicts(exclude_frozen_params=options.exclude_frozen_parameters))
         keys = optimizer_state_keys(engine.optimizer)
         for idx, layer in module.local_layer_modules():
             state = self._layer_optimizer_state(layer, keys)  # every data-parallel rank: may gather
             if first:
-                name = optim_file_name(idx, module._model_repr())
-                files[name] = ckpt.atomic_save(state, os.path.join(staging, name))
-        if first:
-            index = {"format": FORMAT, "num_stages": module.num_stages, "parts": list(module.parts),
-                     "num_layers": module._num_layers, "stage": module.stage_id, "layers": module.local_layers(),
-                     "files": files}
-            path = os.path.join(staging, index_file_name(module.stage_id, module._model_repr()))
-            ckpt.atomic_write_bytes(path, json.dumps(index, indent=1, sort_keys=True).encode())
+                files[optim_file_name(idx, model_repr)] = state
+        if not first:
+            return None
+        index = {"format": FORMAT, "num_stages": module.num_stages, "parts": list(module.parts),
+                 "num_layers": module._num_layers, "stage": module.stage_id, "layers": module.local_layers(),
+                 "files": sorted(files)}
+        files[index_file_name(module.stage_id, model_repr)] = json.dumps(index, indent=1, sort_keys=True).encode()
+        return files
 
     def _layer_optimizer_state(self, layer, keys: List[str]) -> Dict[str, Any]:
         stage = self.engine.stage
@@ -140,70 +144,51 @@ def _agree(what: str, fn: Callable[[], Any]):
 
 
 def _read_index(path: str, stage: int, model_repr: str) -> Optional[dict]:
+    """Stage ``stage``'s layout index (checked against the manifest), or None when the tag has none
+    (a plain engine's checkpoint, or DeepSpeed's)."""
     name = os.path.join(path, index_file_name(stage, model_repr))
     if not os.path.isfile(name):
         return None
+    data = ckpt.read_file_bytes(name)
     try:
-        with open(name, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as exc:
         raise ckpt.CheckpointError(f"pipeline checkpoint index {name} is unreadable: {exc}") from exc
 
 
 def load_pipeline_checkpoint(engine, load_dir, tag, flags: Dict[str, Any], same_layout: Callable[[str], Any]):
-    load_dir = os.fspath(load_dir)
     module = engine.module
-    if tag is None:
-        tag, why = _agree("finding the newest checkpoint", lambda: ckpt.newest_tag(load_dir))
-        tag, why = comm.broadcast_object((tag, why), src=0)
-        if why:
-            log_rank0(f"warning: {why}", logging.WARNING)
-        if tag is None:
-            log_rank0(f"warning: no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a specific "
-                      "checkpoint)", logging.WARNING)
-            return None, None
-    tag = str(tag)
-    path = os.path.join(load_dir, tag)
+    path = resolve_tag(load_dir, tag)  # the kernel's: every load resolves tags alike
+    if path is None:
+        return None, None
     model_repr = module._model_repr()
     index0 = _agree("reading the layout", lambda: _read_index(path, 0, model_repr))
     if index0 is None or (index0["num_stages"] == module.num_stages and list(index0["parts"]) == list(module.parts)):
-        return same_layout(tag)  # the engine's own load (also for checkpoints of a plain engine)
+        return same_layout(os.path.basename(path))  # the engine's own load (also for checkpoints of a plain engine)
     if index0["num_layers"] != module._num_layers:
         raise ckpt.CheckpointError(f"{path} holds a pipeline of {index0['num_layers']} layers; this PipelineModule has "
                                    f"{module._num_layers}")
     log_rank0(f"[dsplug] pipeline checkpoint {path}: saved with {index0['num_stages']} stage(s) {index0['parts']}, "
               f"loading into {module.num_stages} stage(s) {module.parts} layer by layer")
-    return _load_repartitioned(engine, path, index0, LoadOptions(**flags))
+    return _load_repartitioned(engine, path, LoadOptions(**flags))
 
 
-def _load_repartitioned(engine, path: str, index0: dict, options: LoadOptions):
+def _load_repartitioned(engine, path: str, options: LoadOptions):
     module = engine.module
     model_repr = module._model_repr()
     weights_only = engine.config.checkpoint.weights_only
-    parts = list(index0["parts"])
-
-    def owner(idx: int) -> int:
-        return next(s for s in range(index0["num_stages"]) if parts[s] <= idx < parts[s + 1])
 
     def read():
         shared = ckpt.load_file(os.path.join(path, ckpt.model_file(0)), weights_only)
         saved_dp = int(shared.get("world_size", 1))
         own = {} if options.load_module_only else \
             ckpt.load_file(os.path.join(path, ckpt.optim_file(min(engine.context.rank, saved_dp - 1), 0)), weights_only)
-        indexes: Dict[int, dict] = {}
         layers = {}
         for idx, _layer in module.local_layer_modules():
-            s = owner(idx)
-            if s not in indexes:
-                indexes[s] = _read_index(path, s, model_repr)
-                if indexes[s] is None:
-                    raise ckpt.CheckpointError(f"{path}: {index_file_name(s, model_repr)} is missing")
-            files = indexes[s]["files"]
-            model_name, optim_name = layer_file_name(idx, model_repr), optim_file_name(idx, model_repr)
-            weights = read_layer_file(os.path.join(path, model_name), files.get(model_name))
+            weights = ckpt.load_file(os.path.join(path, layer_file_name(idx, model_repr)), weights_only)
             optim = None
             if options.load_optimizer_states and not options.load_module_only:
-                optim = read_layer_file(os.path.join(path, optim_name), files.get(optim_name))
+                optim = ckpt.load_file(os.path.join(path, optim_file_name(idx, model_repr)), weights_only)
             layers[idx] = (weights, optim)
         return shared, own, saved_dp, layers
 

@@ -72,14 +72,16 @@ class PipelineEngine(Engine):
         self._tied_grads: List[Optional[torch.Tensor]] = [None] * len(self._tied)
         self._capturing = True
         self._tied_hooks = [p.register_hook(self._capture(i)) for i, (_k, _a, p, _g) in enumerate(self._tied)]
-        self._join(PipelineCheckpoint(self), name="pipe.checkpoint")
+        self.add_observer(PipelineCheckpoint(self), name="pipe.checkpoint")
         if self.training_dataloader is not None:
             self.set_dataloader(self.training_dataloader)
         log_rank0(f"[dsplug] pipeline: {self.num_stages} stage(s) x {self.grid.data_parallel_size} data-parallel "
                   f"replica(s); stage boundaries {model.parts}; {self.micro_batches} micro-batch(es) per batch")
 
     # ------------------------------------------------------------------ construction checks
-    def _build_stage(self, model, param_groups, client_optimizer):
+    def before_zero_stage(self, model) -> None:
+        """Refuse what a pipeline cannot train, before the ZeRO stage is built (the engine's
+        extension point)."""
         provided, _section = self.config.selection("zero_stage")
         if str(provided.name) in ("2", "3"):
             raise PipelineError(f"zero_optimization.stage {provided.name} cannot be combined with pipeline "
@@ -93,7 +95,6 @@ class PipelineEngine(Engine):
                                 "deadlock on; run the pipeline over gloo")
         # gradient_clipping and fp16 across stages: refused by the kernel for any mpu of several slices
         # (dsplug.utils.groups.refuse_per_slice_decisions); the grid's model-parallel slices are the stages
-        return super()._build_stage(model, param_groups, client_optimizer)
 
     # ------------------------------------------------------------------ DeepSpeed's stage questions
     def is_first_stage(self) -> bool:

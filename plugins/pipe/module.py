@@ -47,11 +47,17 @@ class PipelineError(Exception):
 
 
 def checkpoint(function, *args):
-    """The default ``activation_checkpoint_func``: :func:`dsplug.checkpointing.checkpoint`, looked up
-    when called (the activation checkpointing plugin provides it)."""
-    from dsplug import checkpointing
+    """The default ``activation_checkpoint_func``: DeepSpeed's ``deepspeed.checkpointing.checkpoint``,
+    asked of the plugin that provides it (hook ``dsplug_activation_checkpoint_function``: the
+    activation checkpointing plugin) when called."""
+    from dsplug.registry import get_registry
 
-    return checkpointing.checkpoint(function, *args)
+    provided = get_registry().pm.hook.dsplug_activation_checkpoint_function()
+    if provided is None:
+        raise PipelineError("activation_checkpoint_interval > 0 needs an activation checkpointing function and no "
+                            "installed plugin provides one (the activation checkpointing plugin is blocked or not "
+                            "installed); pass activation_checkpoint_func= to PipelineModule")
+    return provided(function, *args)
 
 
 class LayerSpec:
@@ -410,58 +416,45 @@ class PipelineModule(nn.Module):
                 out.append((self._local_start + i, module))
         return out
 
-    def save_state_dict(self, save_dir: str, checkpoint_engine=None, exclude_frozen_params: bool = False) -> Dict:
-        """Write ``layer_XX-model_states.pt`` for this stage's layers into ``save_dir`` (the stage's
-        first data-parallel rank writes; the others return at once). Returns ``{file: manifest
-        entry}`` of the files written."""
-        from dsplug import checkpoint as ckpt
-
-        if self._grid.data_parallel_id != 0:
-            return {}
-        os.makedirs(save_dir, exist_ok=True)
-        written = {}
+    def layer_state_dicts(self, exclude_frozen_params: bool = False) -> Dict[str, Dict[str, Any]]:
+        """``{layer file name: state dict}`` of this stage's layers (detached copies; frozen
+        parameters left out with ``exclude_frozen_params``)."""
+        out = {}
         for idx, module in self.local_layer_modules():
             state = module.state_dict()
             if exclude_frozen_params:
                 frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
                 state = {k: v for k, v in state.items() if k not in frozen}
-            state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
-            name = layer_file_name(idx, self._model_repr())
-            written[name] = ckpt.atomic_save(state, os.path.join(save_dir, name))
-        return written
+            out[layer_file_name(idx, self._model_repr())] = {
+                k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        return out
 
-    def load_state_dir(self, load_dir: str, checkpoint_engine=None, strict: bool = True, expected=None) -> None:
-        """Load this stage's layers from their ``layer_XX-model_states.pt`` files in ``load_dir``.
-        ``expected`` ({file: manifest entry}) checks each file's sha256 before loading."""
+    def save_state_dict(self, save_dir: str, checkpoint_engine=None, exclude_frozen_params: bool = False) -> Dict:
+        """Write ``layer_XX-model_states.pt`` for this stage's layers into ``save_dir`` (the stage's
+        first data-parallel rank writes; the others return at once). Returns ``{file: manifest
+        entry}`` of the files written. (DeepSpeed's method; the engine's checkpoints write these
+        files through the checkpoint hooks instead, listed in the tag's manifest.)"""
+        from dsplug import checkpoint as ckpt
+
+        if self._grid.data_parallel_id != 0:
+            return {}
+        os.makedirs(save_dir, exist_ok=True)
+        return {name: ckpt.atomic_save(state, os.path.join(save_dir, name))
+                for name, state in self.layer_state_dicts(exclude_frozen_params).items()}
+
+    def load_state_dir(self, load_dir: str, checkpoint_engine=None, strict: bool = True) -> None:
+        """Load this stage's layers from their ``layer_XX-model_states.pt`` files in ``load_dir``
+        (each checked against the directory's ``manifest.json`` when it has one)."""
+        from dsplug import checkpoint as ckpt
+
         for idx, module in self.local_layer_modules():
             name = layer_file_name(idx, self._model_repr())
-            state = read_layer_file(os.path.join(load_dir, name), (expected or {}).get(name))
-            module.load_state_dict(state, strict=strict)
+            module.load_state_dict(ckpt.load_file(os.path.join(load_dir, name)), strict=strict)
 
 
 def layer_file_name(idx: int, model_repr: str = "") -> str:
     """DeepSpeed's name of layer ``idx``'s checkpoint file."""
     return f"layer_{idx:02d}-{model_repr}-model_states.pt" if model_repr else f"layer_{idx:02d}-model_states.pt"
-
-
-def read_layer_file(path: str, entry: Optional[dict] = None) -> Any:
-    """``torch.load`` (weights only) a per-layer file, checked against ``entry`` (sha256, bytes)."""
-    import hashlib
-
-    from dsplug.checkpoint import CheckpointError
-
-    if not os.path.isfile(path):
-        raise CheckpointError(f"pipeline checkpoint file {path} is missing")
-    with open(path, "rb") as f:
-        data = f.read()
-    if entry is not None:
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != entry.get("bytes") or digest != entry.get("sha256"):
-            raise CheckpointError(f"{path} does not match the checkpoint's record of it (sha256 {digest[:16]}..., "
-                                  f"expected {str(entry.get('sha256'))[:16]}...)")
-    import io
-
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 class _TiedCall:

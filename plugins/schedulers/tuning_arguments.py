@@ -3,9 +3,9 @@
 In DeepSpeed this function (``deepspeed.add_tuning_arguments``, defined with the LR schedules) adds
 the "Convergence Tuning" group: the LR schedule to use and the parameters of the LR range test,
 1Cycle and warmup schedules -- the ``scheduler.params`` keys of those schedules, with the
-defaults DeepSpeed gives these flags. It has nothing to do with the autotuner (whose plugin re-exports
-it for convenience); its home is ``deepspeed.runtime.lr_schedules``, as in DeepSpeed. The parsed values are the
-script's to use (e.g. to fill the ``scheduler`` section); ``dsplug.initialize`` does not read them.
+defaults DeepSpeed gives these flags. It has nothing to do with the autotuner; its home is
+``deepspeed.runtime.lr_schedules``, as in DeepSpeed. The parsed values are the script's to use
+(e.g. to fill the ``scheduler`` section); ``dsplug.initialize`` does not read them.
 """
 from __future__ import annotations
 

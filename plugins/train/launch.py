@@ -1,16 +1,19 @@
-"""``--nproc N``: start N workers of ``python -m dsplug.plugins.train`` through the dsplug launcher.
+"""``--nproc N``: start N workers of ``python -m dsplug.plugins.train`` with ``dsplug launch``.
 
-The same plan ``dsplug launch --num_procs N -m dsplug.plugins.train ...`` builds, on this machine only
-(a hostfile, even ``/job/hostfile``, is not consulted: ``--nproc`` means local processes).
+The command ``dsplug launch --num_procs N --no_hostfile --module dsplug.plugins.train ...`` is run
+in this process, through the kernel's command line (the launcher is another plugin: it is asked
+for by its command name, never imported). ``--no_hostfile``: this machine only, even where
+``/job/hostfile`` exists -- ``--nproc`` means local processes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
-from typing import Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence
 
-
+WORKER_MODULE = "dsplug.plugins.train"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 SHUTDOWN_TIMEOUT_S = 600
 
@@ -19,6 +22,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_argv(nproc: int, worker_args: Sequence[str], master_port: int) -> list:
+    """The ``dsplug`` command line that starts the workers."""
+    return ["launch", "--num_procs", str(nproc), "--master_port", str(master_port), "--no_hostfile",
+            "--module", WORKER_MODULE, *worker_args]
+
+
+def worker_environment(threads: Optional[int]) -> Dict[str, str]:
+    """What the workers' environment gets on top of this process's."""
+    extra = {}
+    if threads is not None:
+        extra["OMP_NUM_THREADS"] = str(threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        extra["OMP_NUM_THREADS"] = "1"
+    # on Ctrl-C torchrun waits this long for the workers to save their checkpoint before it kills
+    # them (its default, 30 s, is short for a large model; a second Ctrl-C stops them at once)
+    if SHUTDOWN_TIMEOUT_ENV not in os.environ:
+        extra[SHUTDOWN_TIMEOUT_ENV] = str(SHUTDOWN_TIMEOUT_S)
+    return extra
+
+
+@contextlib.contextmanager
+def _environment(extra: Dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` while the launcher runs (it starts the workers with it)."""
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def launch_workers(nproc: int, worker_args: Sequence[str], master_port: Optional[int] = None,
@@ -30,27 +68,13 @@ def launch_workers(nproc: int, worker_args: Sequence[str], master_port: Optional
     On Ctrl-C the launcher passes one SIGINT to torchrun, which passes it to every worker and
     waits up to ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (600 unless set) while they save.
     """
-    from dsplug.plugins.launcher import LaunchError, LaunchRequest, execute, plan_launch
+    from dsplug import cli
+    from dsplug.registry import get_registry
 
-    request = LaunchRequest(
-        script="dsplug.plugins.train",
-        script_args=tuple(worker_args),
-        module=True,
-        procs_per_node=nproc,
-        master_port=master_port or free_port(),
-        default_hostfile="",  # never a hostfile: --nproc is about this machine
-    )
-    try:
-        plan = plan_launch(request)
-    except LaunchError as exc:
-        print(f"dsplug train: error: {exc}", file=sys.stderr)
+    if not any(command.name == "launch" for command, _origin in get_registry().cli_commands()):
+        print("dsplug train: error: --nproc starts its workers with `dsplug launch`, and no installed plugin "
+              "provides that command (the launcher plugin is blocked or not installed; `dsplug list` shows what "
+              "is installed)", file=sys.stderr)
         return 2
-    environ = dict(os.environ)
-    if threads is not None:
-        environ["OMP_NUM_THREADS"] = str(threads)
-    else:
-        environ.setdefault("OMP_NUM_THREADS", "1")
-    # on Ctrl-C torchrun waits this long for the workers to save their checkpoint before it kills
-    # them (its default, 30 s, is short for a large model; a second Ctrl-C stops them at once)
-    environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
-    return execute(plan, environ=environ, name="dsplug train")
+    with _environment(worker_environment(threads)):
+        return cli.main(launch_argv(nproc, worker_args, master_port or free_port()))

@@ -383,22 +383,21 @@ def _report_interrupted(settings, engine, args, checkpoint_dir, trained, loop_se
 
 
 def _convert_blocks_to_random_ltd(engine) -> None:
-    """Wrap the built-in model's blocks with random-LTD (DeepSpeed's ``convert_to_random_ltd`` on the
-    engine, which also configures them). The blocks take ``[batch, seq, d_model]``; with
-    ``hidden_state_order: seq_batch_dim`` (Megatron GPT's order, as in DeepSpeed's example) each
-    wrapper is shown ``[seq, batch, d_model]`` and its block still gets ``[batch, seq, d_model]``."""
-    from dsplug.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
-
+    """Wrap the built-in model's blocks with random-LTD (DeepSpeed's ``convert_to_random_ltd``, as
+    the method the data efficiency plugin gives the engine, which also configures them). The blocks
+    take ``[batch, seq, d_model]``; with ``hidden_state_order: seq_batch_dim`` (Megatron GPT's
+    order, as in DeepSpeed's example) each wrapper is shown ``[seq, batch, d_model]`` and its block
+    still gets ``[batch, seq, d_model]``."""
     from .model import Block
 
     if engine.random_ltd_config().get("hidden_state_order") != "seq_batch_dim":
-        convert_to_random_ltd(engine, Block)
+        engine.convert_to_random_ltd(Block)
         return
     swap = _swap_batch_seq_class()
     blocks = engine.module.blocks
     for i, block in enumerate(blocks):
         blocks[i] = swap(block)
-    convert_to_random_ltd(engine, swap)  # wraps exactly those (in module order)
+    engine.convert_to_random_ltd(swap)  # wraps exactly those (in module order)
     for i, wrapped in enumerate(blocks):
         blocks[i] = swap(wrapped)
 

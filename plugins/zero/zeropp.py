@@ -73,7 +73,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from dsplug.plugins.compression.quantize import quantize_to_int
+from dsplug.ops.quantize import quantize_to_int
 
 from .stage3.partitioned_param import split_rank_major, start_all_gather
 

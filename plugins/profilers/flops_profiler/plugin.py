@@ -49,3 +49,11 @@ def dsplug_api_modules():
     package = __name__.rsplit(".", 1)[0]
     return [ApiModule("dsplug.profiling.flops_profiler", package),
             ApiModule("dsplug.profiling.flops_profiler.profiler", package)]
+
+
+@hookimpl
+def dsplug_flops_counter(module, accelerator):
+    """A :class:`~.profiler.FlopsProfiler` of ``module`` (other plugins count FLOPs through it)."""
+    from .profiler import FlopsProfiler
+
+    return FlopsProfiler(module, accelerator=accelerator)

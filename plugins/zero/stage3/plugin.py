@@ -27,3 +27,15 @@ def dsplug_api_modules():
     return [ApiModule("dsplug.zero", "dsplug.plugins.zero.stage3.api"),
             ApiModule("dsplug.runtime.zero.partition_parameters", "dsplug.plugins.zero.stage3.partition_parameters"),
             ApiModule("dsplug.utils.z3_leaf_module", "dsplug.plugins.zero.stage3.leaf")]
+
+
+@hookimpl
+def dsplug_gathered_parameters(params, modifier_rank):
+    """``GatheredParameters`` for the parameters stage 3 holds partitioned (None if none is)."""
+    from .partitioned_param import is_partitioned
+
+    if not any(is_partitioned(p) for p in params):
+        return None
+    from .gathered import GatheredParameters
+
+    return GatheredParameters(params, modifier_rank=modifier_rank)

@@ -550,3 +550,22 @@ def test_a_taken_rendezvous_port_is_retried_once(tmp_path):
                           environ={**os.environ, "OUT_FILE": exp.output_file, "MARK": str(tmp_path / "mark")})
     runner.run(exp)
     assert exp.status == "done" and exp.command[exp.command.index("--master_port") + 1] == "2"
+
+
+# ----------------------------------------------------------------------------- the launcher asks
+def test_launch_autotuning_is_answered_by_the_plugin_and_refused_without_it(monkeypatch, capsys):
+    """``dsplug launch --autotuning`` reaches the autotuning plugin through dsplug_launch_override;
+    without the plugin the launcher says what is missing instead of launching plain training."""
+    import dsplug.registry as registry_module
+    from dsplug.cli import main as cli_main
+
+    # with the plugin: it answers (and refuses --print_only, which tuning cannot honour)
+    assert cli_main(["launch", "--autotuning", "tune", "--print_only", "train.py"]) == 2
+    assert "--print_only cannot be combined with --autotuning" in capsys.readouterr().err
+
+    blocked = registry_module.Registry(blocked=("autotuning",))
+    monkeypatch.setattr(registry_module, "get_registry", lambda: blocked)
+    assert cli_main(["launch", "--autotuning", "run", "--print_only", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--autotuning run needs the autotuning plugin, which is not installed or is blocked" in err
+    assert cli_main(["launch", "--num_procs", "1", "--print_only", "train.py"]) == 0  # plain launches go on

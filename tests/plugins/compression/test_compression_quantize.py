@@ -1,4 +1,4 @@
-"""dsplug.plugins.compression.quantize: the fake-quantization formulas against an independent
+"""dsplug.ops.quantize: the fake-quantization formulas against an independent
 reference written here with python floats (each operation rounded to float32), the native
 quantizer op against its pure-torch fallback (bitwise), stochastic rounding's statistics, the
 straight-through gradient and the integer storage."""
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dsplug.op_builder import (ALL_OPS, NativeOpsFallbackWarning, OpUnavailableError, QuantizerBuilder,
                                native_disabled, op_status)
 from dsplug.op_builder import builder as builder_mod
-from dsplug.plugins.compression import quantize as Q
+from dsplug.ops import quantize as Q
 
 HYPOTHESIS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -432,6 +432,32 @@ def test_cli_print_only_multi_node(tmp_path, monkeypatch, capsys):
         assert words[-3:] == ["train.py", "--deepspeed_config", "a b.json"]
 
 
+def test_cli_no_hostfile_plans_this_machine_even_with_a_default_hostfile(tmp_path, monkeypatch, capsys):
+    import dsplug.plugins.launcher as launcher
+
+    default = tmp_path / "job_hostfile"
+    default.write_text("node-a slots=2\nnode-b slots=3\n")
+    requests = []
+
+    def planned(request, **kw):  # the CLI's request, planned as if /job/hostfile were `default`
+        requests.append(request)
+        moved = LaunchRequest(**{**request.__dict__, "default_hostfile": request.default_hostfile and str(default)})
+        return plan_launch(moved, **kw)
+
+    monkeypatch.setattr(launcher, "plan_launch", planned)
+    assert cli_main(["launch", "--num_procs", "2", "--no_hostfile", "--print_only", "t.py"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    words = shlex.split(line)
+    assert words[0] != "ssh" and words[words.index("--nproc_per_node") + 1] == "2"
+    assert words[words.index("--master_addr") + 1] == "127.0.0.1"
+    assert requests[-1].default_hostfile == ""
+    assert cli_main(["launch", "--num_procs", "2", "--print_only", "t.py"]) == 0  # without: the hostfile's nodes
+    assert [shlex.split(l)[:2] for l in capsys.readouterr().out.strip().splitlines()] == [["ssh", "node-a"],
+                                                                                         ["ssh", "node-b"]]
+    with pytest.raises(SystemExit):  # one or the other
+        cli_main(["launch", "--no_hostfile", "--hostfile", str(default), "t.py"])
+
+
 def test_cli_rejects_bad_hostfile_before_starting(tmp_path, capsys):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-1 slots=2\nnode;2 slots=2\n")

@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsplug.config.params import options_of
 from dsplug.config.schema import ConfigError, Report, parse
 from dsplug.context import BuildContext
 from dsplug.ops.adam import DeepSpeedCPUAdam
 from dsplug.plugins.optimizers import adam_optimizer, torch_optim, torch_signatures
 from dsplug.plugins.optimizers.adam_optimizer import FusedAdam
 from dsplug.plugins.optimizers.adagrad import AdagradParams
-from dsplug.plugins.optimizers.common import options_of
 from dsplug.plugins.optimizers.lamb_optimizer import FusedLamb
 from dsplug.plugins.optimizers.sgd import SGDParams
 from dsplug.registry import get_registry

@@ -113,3 +113,40 @@ def test_checkpoint_saved_at_two_stages_reloads_at_one_and_back(tmp_path):
         assert r["losses"][1] == pytest.approx(expected_losses, rel=1e-6)
     _assert_same({k: v for r in back for k, v in r["states"][0]["layers"].items()}, expected)
     _assert_same(_merge(back), expected)
+
+
+def _load_error(path):
+    """Load ``path`` at 2 stages (ZeRO 1); the error's type and message, or None."""
+    engine, _model = _engine(2, 1)
+    try:
+        engine.load_checkpoint(path, tag="global_step1")
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_layer_files_are_in_the_manifest_and_a_corrupted_one_is_caught_on_load(tmp_path):
+    import json
+
+    from dsplug import checkpoint as ckpt
+
+    saved = str(tmp_path / "one")
+    run_distributed(_run, 1, 1, 0, [("train", 1), ("save", saved, "one")])
+    tag_dir = os.path.join(saved, "global_step1")
+    listed = json.loads(open(os.path.join(tag_dir, "manifest.json")).read())["files"]
+    layer_files = [f for f in os.listdir(tag_dir) if f.startswith("layer_")]
+    assert len(layer_files) == 2 * 6 and "pipe_stage_00-layers.json" in listed  # weights + optimizer, 6 layers
+    assert set(layer_files) <= set(listed)
+    assert ckpt.verify(tag_dir) == []
+
+    victim = os.path.join(tag_dir, "layer_01-model_states.pt")
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    assert [p for p in ckpt.verify(tag_dir) if "layer_01-model_states.pt" in p]
+
+    # 2 stages read the 1-stage checkpoint layer by layer: the corrupted file stops every rank
+    for rank, error in enumerate(run_distributed(_load_error, 2, saved)):
+        assert error is not None and error[0] == "CheckpointError", f"rank {rank}: {error}"
+        assert "layer_01-model_states.pt" in error[1] and "manifest" in error[1], f"rank {rank}: {error[1]}"

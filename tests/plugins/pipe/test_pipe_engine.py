@@ -92,6 +92,33 @@ def test_one_stage_trains_like_a_plain_loop_with_and_without_activation_checkpoi
     assert len(calls) == checkpointed * 6
 
 
+def test_default_checkpoint_function_comes_from_the_activation_checkpointing_plugin(monkeypatch):
+    """Without activation_checkpoint_func the chunks run under the function the plugin answering
+    dsplug_activation_checkpoint_function provides; with none installed the error says so."""
+    import dsplug.registry as registry_module
+    from dsplug.plugins.pipe.module import checkpoint
+
+    calls = []
+    provided = registry_module.get_registry().pm.hook.dsplug_activation_checkpoint_function()
+    assert provided is not None and provided.__module__ == "dsplug.plugins.activation_checkpointing.checkpointing"
+
+    losses = {}
+    for interval in (0, 2):
+        engine, _model = engine_for(interval)
+        if interval:
+            monkeypatch.setattr(provided.__module__ + ".checkpoint",
+                                lambda f, *a: calls.append(f) or provided(f, *a))
+        batches = data(4)
+        losses[interval] = [float(engine.train_batch(iter(batches[2 * i:2 * i + 2]))) for i in range(2)]
+        engine.destroy()
+    assert losses[2] == losses[0] and len(calls) == 2 * 2 * 3  # 2 steps x 2 micro-batches x 3 chunks (each has a Linear)
+
+    blocked = registry_module.Registry(blocked=("observer-activation-checkpointing",))
+    monkeypatch.setattr(registry_module, "get_registry", lambda: blocked)
+    with pytest.raises(PipelineError, match="no installed plugin provides one"):
+        checkpoint(lambda x: x, torch.ones(1))
+
+
 def test_eval_batch_forms():
     engine, model = engine_for()
     batches = data(2)

@@ -1,4 +1,5 @@
-"""Group-wise fake quantization: the quantize/dequantize hot loop of the compression library.
+"""Group-wise (fake) quantization, a kernel service: the compression methods' quantize/dequantize
+hot loop and ZeRO++'s quantized communication use it.
 
 Every function computes in float32; inputs may be float32, bfloat16 or float16 and results have
 the input's dtype and shape. The native ``quantizer`` op (csrc/quantizer/quantizer.cpp, built by
