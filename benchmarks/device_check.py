@@ -675,7 +675,7 @@ def check_ops():
     say(f"  cpu_adam backend: {data.get('cpu_adam_backend')}")
 
     # the quantizer: CUDA tensors take the pure-torch path; the CPU takes the native op when built
-    from dsplug.plugins.compression import quantize as q
+    from dsplug.ops import quantize as q
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 1024, generator=g) * 3

@@ -177,7 +177,7 @@ def test_cpu_adam_on_pinned_host_tensors_matches_torch_adamw():
 
 @pytest.mark.parametrize("bits,groups,symmetric", [(8, 16, True), (4, 64, False)])
 def test_quantizer_on_cuda_matches_the_cpu(bits, groups, symmetric):
-    from dsplug.plugins.compression.quantize import quantize_dequantize
+    from dsplug.ops.quantize import quantize_dequantize
 
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)) * 3
     on_cpu = quantize_dequantize(x, bits, groups=groups, symmetric=symmetric)
