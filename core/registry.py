@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import pluggy
 
 from .descriptors import CATEGORIES, ApiModule, CliCommand, PluginSpec, Provided
+from .events import call_impl
 from .hookspecs import CATEGORY_HOOKS, PROJECT, CategorySpecs, LifecycleSpecs, ServiceSpecs
 
 if sys.version_info >= (3, 10):
@@ -162,7 +163,7 @@ class Registry:
             for impl in sorted(hook.get_hookimpls(), key=lambda i: self._origin.get(id(i.plugin), ("",))[0] != PROJECT):
                 origin = self._origin.get(id(impl.plugin), ("<unknown>", "?", impl.plugin_name))
                 try:
-                    specs = list(impl.function() or [])
+                    specs = list(call_impl(impl, {}) or [])
                     for spec in specs:
                         self._check_spec(category, hook_name, spec, origin)
                 except Exception as exc:  # a plugin whose hook raises or returns junk is reported, not fatal
@@ -274,7 +275,7 @@ class Registry:
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             origin = self.origin(impl.plugin)
             try:
-                items = list(impl.function() or [])
+                items = list(call_impl(impl, {}) or [])
                 bad = [i for i in items if not isinstance(i, kind)]
                 if bad:
                     raise PluginError(f"{hook_name} returned {bad[0]!r}; expected {kind.__module__}.{kind.__name__}")
