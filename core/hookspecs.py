@@ -11,7 +11,7 @@ take any subset of a hook's arguments, always passed by keyword. A function name
 that matches no hook below is reported by ``dsplug list`` (a misspelled hook is never silently
 ignored).
 
-There are three kinds of hook:
+There are four kinds of hook:
 
 * **Category hooks** (``dsplug_optimizers`` ...) describe what a plugin provides. Each returns a
   list of :class:`dsplug.PluginSpec`; the config value that selects a plugin is matched against
@@ -30,6 +30,11 @@ There are three kinds of hook:
   precision, compression methods); and every registered plugin that implements a lifecycle hook
   at module level. They must not raise for ordinary training events; when one does, the error
   names the plugin and the hook.
+* **Comm hooks** (``dsplug_comm_op``, ``dsplug_comm_summary``) see every collective of the comm
+  layer. They are called on :data:`dsplug.comm.events`, a process-wide plugin manager: an object
+  that implements them is registered there (``dsplug.comm.events.register(obj)``, as the comms
+  logger does for an engine's lifetime), and installed plugins that implement them at module level
+  are registered there when the process-wide registry is created.
 
 ``context`` below is the engine's :class:`dsplug.context.BuildContext` (accelerator, comm,
 config, rank, world size, model, registry): plugins talk to the world through it, never through
@@ -214,6 +219,51 @@ class ServiceSpecs:
         ``dist_init_required``, ``mpu``) returning one. The first non-None answer wins; keep the
         check cheap (``initialize`` asks for every model) and raise for a model that is yours but
         cannot be trained with these arguments.
+        """
+
+
+class CommSpecs:
+    """What the comm layer (:mod:`dsplug.comm`) reports, called on :data:`dsplug.comm.events`.
+
+    While no ``dsplug_comm_op`` implementation is registered, collectives are neither timed nor
+    synchronized: watching costs nothing until someone watches.
+    """
+
+    @hookspec
+    def dsplug_comm_op(self, op, nbytes, latency_s, world_size, async_op, caller):
+        """One collective (or point-to-point message) of the comm layer finished.
+
+        Called on the rank that issued it, once per op, after it completed: right after a
+        blocking op, at ``wait()`` of an op launched with ``async_op=True``. While any
+        implementation is registered the device is synchronized before the op starts and before
+        this call, so the latency covers the op's completion (no-op on CPU).
+
+        * ``op``: the comm layer's name of the operation: ``"all_reduce"``, ``"broadcast"``,
+          ``"all_gather"``, ``"reduce_scatter"``, ``"reduce"``, ``"barrier"``, ``"send"``,
+          ``"recv"``, ``"all_to_all_single"``, ``"all_to_all"`` (a gloo reduce-scatter with an op
+          other than sum runs and is reported as ``"all_reduce"``);
+        * ``nbytes``: the message size in bytes: the tensor of an all-reduce / broadcast / reduce /
+          send / recv, the whole output of an all-gather, the whole input of a reduce-scatter or
+          an all-to-all, 0 for a barrier;
+        * ``latency_s``: seconds from launch to completion (to ``wait()`` for an async op);
+        * ``world_size``: the size of the group the op ran in;
+        * ``async_op``: the op was launched with ``async_op=True``;
+        * ``caller``: the qualified name of the function outside the comm layer that issued the op
+          (``"GradientBuckets._launch"``). It costs a stack walk per op, so it is looked up only
+          while some registered implementation takes this argument; take it only when you use it.
+
+        Take any subset of the arguments. The answer is ignored; an exception propagates from the
+        collective that reported it.
+        """
+
+    @hookspec
+    def dsplug_comm_summary(self, show_straggler):
+        """``dsplug.comm.log_summary(show_straggler)`` was called: print your summary (on the ranks
+        that should print) and return it as text, or None when you keep none.
+
+        ``show_straggler``: DeepSpeed's straggler analysis was asked for; an implementation may
+        gather from every rank then (every rank calls ``log_summary``). When no implementation
+        answers, ``log_summary`` says that no comms logger is active.
         """
 
 
