@@ -20,10 +20,12 @@ There are four kinds of hook:
   is a contract class in :mod:`dsplug.contracts` (its docstrings say what the engine calls and
   when).
 * **Service hooks** (``dsplug_cli_commands``, ``dsplug_api_modules``, ``dsplug_estimate_*``,
-  ``dsplug_auto_value``, ``dsplug_batch_sizes``, ``dsplug_engine_factory``) let a plugin extend
-  the kernel's own services: the command line, DeepSpeed's import paths, memory estimates,
-  Hugging Face ``"auto"`` values, the batch sizes (elastic training) and the engine class
-  ``initialize`` builds for a model (the pipeline engine for a ``PipelineModule``).
+  ``dsplug_auto_value``, ``dsplug_batch_sizes``, ``dsplug_engine_factory``,
+  ``dsplug_reduction_groups``, ``dsplug_param_reduction``) let a plugin extend the kernel's own
+  services: the command line, DeepSpeed's import paths, memory estimates, Hugging Face ``"auto"``
+  values, the batch sizes (elastic training), the engine class ``initialize`` builds for a model
+  (the pipeline engine for a ``PipelineModule``) and the group a parameter's gradient is averaged
+  in (MoE experts).
 * **Lifecycle hooks** (``dsplug_engine_built`` ...) are events of one engine. They are called
   on the engine's own event bus, which holds: the observers and monitors the config enabled;
   the parts the engine built that subclass a contract with checkpoint state (ZeRO stage,
@@ -219,6 +221,49 @@ class ServiceSpecs:
         ``dist_init_required``, ``mpu``) returning one. The first non-None answer wins; keep the
         check cheap (``initialize`` asks for every model) and raise for a model that is yours but
         cannot be trained with these arguments.
+        """
+
+    @hookspec
+    def dsplug_reduction_groups(self, model, context):
+        """Create the process groups your :meth:`dsplug_param_reduction` answers will name for
+        ``model``'s parameters (dsplug's MoE plugin creates the ``"ep_size_<E>"`` expert groups the
+        experts' ``group_name`` marks name).
+
+        Called by the engine once, on every rank, after the model is placed on its device and
+        before its parameters are broadcast (:func:`dsplug.comm.groups.broadcast_module_state`)
+        and the ZeRO stage is built. ``model``: the module being trained (after compression);
+        ``context``: the engine's :class:`dsplug.context.BuildContext`. Every rank is called, so
+        collectives are allowed, and creating a group (``dsplug.comm.new_group``) is one: create
+        the same groups in the same order on every rank, also on a rank whose part of the model
+        has none of your parameters (gather what the ranks need first).
+
+        Return the names of the groups the model's parameters use (the same list on every rank),
+        or None. The engine keeps the sorted union as ``engine.reduction_groups`` ([] for a
+        model whose every parameter is reduced over the data-parallel group).
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_param_reduction(self, param, context):
+        """Where the gradient of ``param`` is averaged, when not over the whole data-parallel group.
+
+        Asked through :meth:`dsplug.context.BuildContext.reduction_of` by the ZeRO stages when
+        they are built (once per trained parameter) and by the engine when it broadcasts the
+        initial weights (once per parameter), after :meth:`dsplug_reduction_groups`; keep it
+        cheap. ``param``: a ``torch.nn.Parameter`` of the model; ``context``: the engine's
+        :class:`dsplug.context.BuildContext` (``context.comm`` / ``context.world_size``: the
+        data-parallel group).
+
+        Return None for a parameter that is not yours: it is summed over the data-parallel
+        group and divided by its size, every rank holding the same value. Otherwise a
+        :class:`dsplug.descriptors.Reduction`: a ``key`` naming the group, the ``comm`` of the
+        ranks holding the same value (the gradient is summed there, ZeRO stages 1-2 partition
+        the parameter over them, the engine broadcasts its initial value from their first
+        rank), the ``divisor`` of the sum, the ``shard_comm`` of the ranks holding different
+        values (gradient norms add over it), and ``what`` / ``advice`` for error messages.
+        dsplug's MoE plugin answers for parameters marked ``allreduce = False`` (DeepSpeed's
+        expert marks): their expert-data-parallel group, divided by the data-parallel world
+        size. ZeRO stage 3 refuses a parameter with an answer; stages 0-2 honour it. The first
+        non-None answer wins (firstresult).
         """
 
 
