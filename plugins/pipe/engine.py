@@ -92,7 +92,7 @@ class PipelineEngine(Engine):
                                 "posts a send before the matching receive in both directions, which NCCL can "
                                 "deadlock on; run the pipeline over gloo")
         # gradient_clipping and fp16 across stages: refused by the kernel for any mpu of several slices
-        # (dsplug.utils.groups.refuse_per_slice_decisions); the grid's model-parallel slices are the stages
+        # (dsplug.comm.groups.refuse_per_slice_decisions); the grid's model-parallel slices are the stages
         return super()._build_stage(model, param_groups, client_optimizer)
 
     # ------------------------------------------------------------------ DeepSpeed's stage questions
