@@ -8,7 +8,7 @@ ZeRO paper's analysis, at several world sizes.
 Each (world, stage) run trains the same MLP (``--width`` x ``--layers`` Linear layers, ~Ψ
 parameters) for ``--steps`` optimizer steps over gloo on 127.0.0.1 (NCCL and the GPU where the
 accelerator is CUDA; at world 1 nothing is sent and the ratio column shows "-") through ``dsplug.initialize``
-and counts, with a ``dsplug.comm`` listener (the message sizes the comms logger reports), the
+and counts, with a ``dsplug_comm_op`` hook (the message sizes the comms logger reports), the
 bytes each rank SENDS per optimizer step: message size x a per-op factor -- all-reduce 2(n-1)/n,
 all-gather / reduce-scatter / all-to-all (n-1)/n (the comms logger's bus factors), reduce and
 broadcast (n-1)/n (their per-rank average: n-1 ranks each send the message once, the root of a
@@ -77,9 +77,9 @@ def _rank_run(stage: int, args) -> Dict[str, Any]:
     world = dsplug.comm.get_world_size()
     sent = {"bytes": 0.0, "ops": {}}
 
-    class Listener:  # a dsplug.comm listener: record(op, nbytes, latency_s, world_size)
-        @staticmethod
-        def record(op, nbytes, latency_s, world_size):
+    class Listener:  # sees every collective through the dsplug_comm_op hook
+        @dsplug.hookimpl
+        def dsplug_comm_op(self, op, nbytes, world_size):
             moved = nbytes * sent_factor(op, world_size)
             sent["bytes"] += moved
             sent["ops"][op] = sent["ops"].get(op, 0.0) + moved
@@ -91,7 +91,7 @@ def _rank_run(stage: int, args) -> Dict[str, Any]:
     dtype = next(engine.module.parameters()).dtype
     gen = torch.Generator().manual_seed(engine.global_rank)
     per_step, times = [], []
-    dsplug.comm.add_listener(listener)
+    dsplug.comm.events.register(listener)
     try:
         for step in range(args.steps + 1):
             x = torch.randn(args.micro, args.width, generator=gen).to(device=engine.device, dtype=dtype)
@@ -108,7 +108,7 @@ def _rank_run(stage: int, args) -> Dict[str, Any]:
                 per_step.append((sent["bytes"] - before,
                                  {k: v - ops_before.get(k, 0.0) for k, v in sent["ops"].items()}))
     finally:
-        dsplug.comm.remove_listener(listener)
+        dsplug.comm.events.unregister(listener)
     numel = sum(p.numel() for p in model.parameters()) if stage < 3 else \
         sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
     estimate = engine.config.registry.pm.hook.dsplug_estimate_model_state_bytes(

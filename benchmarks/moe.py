@@ -18,7 +18,7 @@ see docs/moe.md). Runs:
 * ``ep2-top2``  -- ``ep_size=2``, ``k=2`` (twice the expert compute per token).
 
 The MoE loss adds ``--aux-coeff`` x the layers' ``l_aux``. Every collective of every rank is
-counted through ``dsplug.comm.add_listener``: per rank and optimizer step, the all-to-all message
+counted through the ``dsplug_comm_op`` hook (on ``dsplug.comm.events``): per rank and optimizer step, the all-to-all message
 bytes (the input of each ``all_to_all_single``, the comms logger's message size) and the bytes on
 the wire (message x the comms logger's bus factor (n-1)/n), and the all-reduce bytes (the
 gradient averaging of stage 0). Step time: forward + backward + step of the slowest rank, median
@@ -37,6 +37,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from dsplug import hookimpl
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _builtin_lm import builtin_lm_config  # noqa: E402
 from _spawn import run as spawn_run  # noqa: E402
@@ -46,7 +48,7 @@ RUNS = {"dense": None, "ep1-top1": dict(ep_size=1, k=1), "ep2-top1": dict(ep_siz
 
 
 class ByteCounter:
-    """A comm listener: message bytes and on-wire bytes (message x bus factor) per op."""
+    """A ``dsplug_comm_op`` hook: message bytes and on-wire bytes (message x bus factor) per op."""
 
     def __init__(self):
         from dsplug.plugins.comms_logger.logger import bus_factor
@@ -56,7 +58,8 @@ class ByteCounter:
         self.wire: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
 
-    def record(self, op, nbytes, latency_s, world_size):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes, world_size):
         self.message[op] += int(nbytes)
         self.wire[op] += nbytes * self.bus_factor(op, world_size)
         self.calls[op] += 1
@@ -115,7 +118,7 @@ def _train_one(name: str, data, args) -> Dict[str, Any]:
     engine, _, loader, _ = dsplug.initialize(model=model, training_data=data["dataset"], config=config)
     batches = batches_from(loader, 0)
     counter = ByteCounter()
-    comm.add_listener(counter)
+    comm.events.register(counter)
     per_step = []
     try:
         engine.train()
@@ -132,7 +135,7 @@ def _train_one(name: str, data, args) -> Dict[str, Any]:
             after = counter.snapshot()
             per_step.append((after[0] - before[0], after[1] - before[1], after[2] - before[2], seconds))
     finally:
-        comm.remove_listener(counter)
+        comm.events.unregister(counter)
     times = torch.tensor([s[3] for s in per_step], dtype=torch.float64)
     comm.all_reduce(times, op=comm.ReduceOp.MAX)
     # the dense replicas must agree across ranks (experts differ by design under expert parallelism)

@@ -27,7 +27,7 @@ steps: DeepSpeed recommends a longer warm-up when the compressed stage loses acc
 ZeroOneAdam once per F of ``--zo-freeze-fractions`` (default 20 %, the BERT recipe's share, and
 50 %, the warm-up 1-bit Adam needs on this short run).
 
-Every collective of every rank is counted through ``dsplug.comm.add_listener``: the message
+Every collective of every rank is counted through the ``dsplug_comm_op`` hook (on ``dsplug.comm.events``): the message
 size the comms logger reports (all_reduce: the tensor; all_gather: the whole output;
 all_to_all_single: the whole input) and the bytes on the wire, message x
 ``comms_logger.logger.bus_factor(op, world)``. Per run the figures are per rank, per optimizer
@@ -47,6 +47,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from dsplug import hookimpl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _builtin_lm import builtin_lm_config  # noqa: E402
@@ -111,7 +113,7 @@ def optimizer_section(kind: str, f: Optional[int], args, adam_params: Dict[str, 
 
 # ------------------------------------------------------------------------------ counting
 class ByteCounter:
-    """A comm listener: message bytes and on-wire bytes (message x bus factor) of every collective."""
+    """A ``dsplug_comm_op`` hook: message bytes and on-wire bytes (message x bus factor) of every collective."""
 
     def __init__(self):
         from dsplug.plugins.comms_logger.logger import bus_factor
@@ -121,7 +123,8 @@ class ByteCounter:
         self.wire = 0.0
         self.ops: collections.Counter = collections.Counter()
 
-    def record(self, op, nbytes, latency_s, world_size):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes, world_size):
         self.message += int(nbytes)
         self.wire += nbytes * self.bus_factor(op, world_size)
         self.ops[op] += 1
@@ -143,7 +146,7 @@ def _train_one(kind: str, config: Dict[str, Any], data, args) -> Dict[str, Any]:
     engine, _, loader, _ = dsplug.initialize(model=model, training_data=data["dataset"], config=config)
     batches = batches_from(loader, 0)
     counter = ByteCounter()
-    comm.add_listener(counter)
+    comm.events.register(counter)
     per_step = []  # (message bytes, wire bytes, seconds, ops)
     losses = []
     try:
@@ -160,7 +163,7 @@ def _train_one(kind: str, config: Dict[str, Any], data, args) -> Dict[str, Any]:
             per_step.append((after[0] - before[0], after[1] - before[1], seconds, after[2] - before[2]))
             losses.append(float(loss.detach()))
     finally:
-        comm.remove_listener(counter)
+        comm.events.unregister(counter)
     # outside the counted steps: the ranks' parameters compared, and the slowest rank's step times
     flat = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
     spread = flat.clone()

@@ -18,7 +18,7 @@ After ``--warmup`` batches, ``--steps`` batches are timed (median of the slowest
 ``train_batch``), with each rank's CPU time per step (``time.process_time``: on a machine with
 fewer free cores than processes the wall time shows contention, the CPU time the work split) and
 the time it spent blocked in ``recv`` (waiting for its neighbour: the pipeline bubble plus the
-transfer). Every ``send`` / ``recv`` is counted through ``dsplug.comm.add_listener``; the
+transfer). Every ``send`` / ``recv`` is counted through the ``dsplug_comm_op`` hook (on ``dsplug.comm.events``); the
 bytes per step are those of the timed steps (the one-time meta message falls in the warm-up).
 Expected per step: M x (micro-batch x d x 4 bytes) of activations forward and as many gradient
 bytes back. The ideal 2-stage time with 1F1B on S stages and M micro-batches is
@@ -36,19 +36,22 @@ import time
 
 import torch
 
+from dsplug import hookimpl
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _spawn import run as spawn_run  # noqa: E402
 
 
 class P2PCounter:
-    """A comm listener: bytes and counts of point-to-point ops (and all the rest by op)."""
+    """A ``dsplug_comm_op`` hook: bytes and counts of point-to-point ops (and all the rest by op)."""
 
     def __init__(self):
         self.bytes = collections.Counter()
         self.count = collections.Counter()
         self.seconds = collections.Counter()
 
-    def record(self, op, nbytes, latency_s, world_size):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes, latency_s):
         self.bytes[op] += int(nbytes)
         self.count[op] += 1
         self.seconds[op] += latency_s  # a blocking recv: the time this stage waited for its peer
@@ -87,14 +90,14 @@ def _train(stages, args):
     times, losses, cpu = [], [], 0.0
     for i, step in enumerate(batches):
         if i == args.warmup:
-            comm.add_listener(counter)
+            comm.events.register(counter)
         comm.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(float(engine.train_batch(iter(step))))
         times.append(time.perf_counter() - start)
         if i >= args.warmup:
             cpu += time.process_time() - start_cpu
-    comm.remove_listener(counter)
+    comm.events.unregister(counter)
     timed = times[args.warmup:]
     slowest = comm.all_gather_object(timed)
     per_step = [max(column) for column in zip(*slowest)]

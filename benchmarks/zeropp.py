@@ -5,7 +5,7 @@
 
 Every configuration trains the same model from the same initial weights on one fixed batch per
 rank (AdamW, fp32) in the same 2 processes. After ``--warmup`` steps, one optimizer step is
-recorded through ``dsplug.comm.add_listener``: the bytes of every collective (the comm layer's
+recorded through the ``dsplug_comm_op`` hook (on ``dsplug.comm.events``): the bytes of every collective (the comm layer's
 message size: an all-gather's whole output, a reduce-scatter's / all-to-all's whole input) summed
 per op, as rank 0 sees them. Then ``--steps`` more steps are timed (median, slowest rank). The
 loss is the mean over ranks after all steps. Ratios are against the named baseline "stage 3"
@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+from dsplug import hookimpl
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BASE = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -42,7 +44,8 @@ class _Bytes:
     def __init__(self):
         self.by_op = {}
 
-    def record(self, op, nbytes, latency, world):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes):
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
 
@@ -103,11 +106,11 @@ def _worker(args):
         for _ in range(args.warmup - 1):
             step()
         listener = _Bytes()
-        comm.add_listener(listener)
+        comm.events.register(listener)
         try:
             step()
         finally:
-            comm.remove_listener(listener)
+            comm.events.unregister(listener)
         times = []
         for _ in range(args.steps):
             comm.barrier()

@@ -19,6 +19,9 @@ class BuildContext:
     mp_rank / mp_world_size: its model-parallel slice (``initialize(mpu=...)``; 0 / 1 without)
     model:       the user's ``torch.nn.Module`` (None when not known yet)
     registry:    the :class:`dsplug.registry.Registry` the engine was built from
+
+    :meth:`reduction_of` tells where a parameter's gradient is averaged (the data-parallel group
+    unless a plugin says otherwise, as the MoE plugin does for experts).
     """
 
     config: Any = None
@@ -35,3 +38,24 @@ class BuildContext:
     @property
     def is_rank_zero(self) -> bool:
         return self.rank == 0
+
+    def reduction_of(self, param):
+        """Where ``param``'s gradient is averaged: a :class:`dsplug.descriptors.Reduction`.
+
+        The first answer of the ``dsplug_param_reduction`` hook (plugins of :attr:`registry`),
+        else the default: the data-parallel group (``comm``), divided by ``world_size``. ZeRO
+        stages ask once per parameter when they are built."""
+        from .descriptors import Reduction
+        from .events import call_each
+
+        if self.registry is not None:
+            arguments = {"param": param, "context": self}
+            for impl, answer in call_each(self.registry.pm.hook.dsplug_param_reduction, arguments):
+                if answer is None:
+                    continue
+                if not isinstance(answer, Reduction) or answer.key is None:
+                    raise TypeError(f"plugin {impl.plugin_name!r} returned {answer!r} from dsplug_param_reduction for "
+                                    f"a parameter of shape {tuple(getattr(param, 'shape', ()))}; expected None or a "
+                                    "dsplug.descriptors.Reduction with a key")
+                return answer  # the first answer wins (firstresult)
+        return Reduction(None, self.comm, self.world_size)

@@ -119,6 +119,49 @@ class ApiModule:
 
 
 @attrs.frozen
+class Reduction:
+    """Where the gradient of a parameter is averaged: a ``dsplug_param_reduction`` answer, read by
+    the ZeRO stages and the engine through :meth:`dsplug.context.BuildContext.reduction_of`.
+
+    The default (no plugin answers) is ``Reduction(None, context.comm, context.world_size)``:
+    every data-parallel rank holds the same value, the gradient is summed over the data-parallel
+    group and divided by its size.
+
+    key:        a name for the group (``"ep_size_2"``); parameters with the same key are reduced
+                together (a stage keeps them in buckets / partitions of their own). None only for
+                the default.
+    comm:       the comm layer bound to the ranks that hold the same value of the parameter (its
+                replicas): a :class:`dsplug.comm.bound.GroupComm`, or ``context.comm``. The
+                gradient is summed over these ranks (partitioned over them at ZeRO stages 1-2)
+                and the initial value broadcast from its first rank.
+    divisor:    what the sum is divided by (to average over all data-parallel ranks' samples this
+                is the data-parallel world size, also when ``comm`` is smaller).
+    shard_comm: the ranks that hold *different* values of parameters with this key (together they
+                hold each once), a ``GroupComm``; a quantity summed over the model's parameters
+                (the gradient norm) adds their contributions over these ranks. None: the values
+                are the same on every data-parallel rank.
+    what:       these parameters in an error message (``"MoE expert parameters"``).
+    advice:     how to keep them in optimizer param groups of their own, for the error a stage
+                raises when one group mixes them with others ("" when there is nothing to say).
+    """
+
+    key: Optional[str]
+    comm: Any
+    divisor: int
+    shard_comm: Any = None
+    what: str = "parameters"
+    advice: str = ""
+
+    @property
+    def placement(self) -> Optional[Tuple[int, Tuple[int, ...]]]:
+        """``(rank in shard_comm, the global ranks of shard_comm)``: which of the different values
+        this rank holds, for checkpoints to tell a layout apart (None without ``shard_comm``)."""
+        if self.shard_comm is None:
+            return None
+        return self.shard_comm.get_rank(), tuple(getattr(self.shard_comm, "ranks", ()))
+
+
+@attrs.frozen
 class Provided:
     """A :class:`PluginSpec` together with where it came from (filled in by the registry)."""
 

@@ -28,7 +28,7 @@ from .engine_checkpoint import EngineCounters, SchedulerState, load_checkpoint, 
 from .logging import log_rank0
 from .registry import get_registry
 from .timers import StepTimers
-from .utils import groups
+from .comm import groups
 
 #: param-group key linking the engine's groups back to a client optimizer's own groups
 CLIENT_GROUP_INDEX = "_dsplug_client_group"
@@ -124,10 +124,12 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.module.to(self.device)
         if self.precision.model_dtype not in (None, torch.float32):
             self.module.to(self.precision.model_dtype)
-        #: MoE: the expert groups the module's experts name on any rank (created; [] without experts)
-        self.expert_groups = groups.create_expert_groups(self.module)
+        #: the process groups plugins created for the module's parameters (dsplug_reduction_groups:
+        #: MoE experts' groups); [] when every parameter is averaged over the data-parallel group
+        self.reduction_groups = sorted({name for names in self.registry.pm.hook.dsplug_reduction_groups(
+            model=self.module, context=self.context) for name in (names or [])})
         if self.world_size > 1:
-            groups.broadcast_module_state(self.module, self.context.comm)
+            groups.broadcast_module_state(self.module, self.context)
 
     def _build_stage(self, model, param_groups, client_optimizer):
         previous = stage_of(model)

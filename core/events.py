@@ -5,11 +5,16 @@ methods, module-level lifecycle plugins) has its hook implementations wrapped so
 exception escaping one is re-raised as :class:`PluginHookError` naming the plugin and the hook —
 unless it is one of dsplug's own errors (checkpoint, communication, config, plugin errors), which already say
 what is wrong and are re-raised unchanged.
+
+Hooks are called through pluggy. Where the kernel must see each implementation's answer on its
+own (to name the plugin that added a keyword, or to report one broken plugin and go on), it calls
+them through :func:`call_each`, which passes each implementation the arguments it declares, as
+pluggy does: nothing in dsplug calls a hook implementation any other way.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import pluggy
 
@@ -66,14 +71,44 @@ def _naming_failures(function, plugin: str, hook: str):
     return call
 
 
+def call_impl(impl, kwargs: Mapping[str, Any]) -> Any:
+    """Call one hook implementation (a pluggy ``HookImpl``) as pluggy would: with the arguments it
+    declares (``impl.argnames``, any subset of the hook's), taken from ``kwargs``.
+
+    The one place dsplug calls a hook implementation itself, for callers that must see each
+    answer on its own (who added what) or survive one broken plugin. A hook wrapper cannot be
+    called on its own: it is an error naming the plugin.
+    """
+    hook = impl.opts.get("specname") or getattr(impl.function, "__name__", "a hook")
+    if impl.hookwrapper or impl.wrapper:
+        raise PluginHookError(f"plugin {impl.plugin_name!r} implements {hook} as a hook wrapper; dsplug calls this "
+                              "hook's implementations one at a time, so it must be a plain implementation",
+                              impl.plugin_name, hook)
+    missing = [name for name in impl.argnames if name not in kwargs]
+    if missing:
+        raise TypeError(f"{hook} was called without {', '.join(map(repr, missing))}, which plugin "
+                        f"{impl.plugin_name!r} takes (the arguments given: {', '.join(kwargs) or 'none'})")
+    return impl.function(*[kwargs[name] for name in impl.argnames])
+
+
+def call_each(hook, kwargs: Mapping[str, Any], plugin: Optional[object] = None) -> Iterator[Tuple[Any, Any]]:
+    """``(implementation, its answer)`` for each implementation of ``hook`` (a pluggy hook caller),
+    called by :func:`call_impl` in pluggy's call order (``tryfirst`` / ``trylast`` honoured,
+    otherwise the last registered first) when the iteration reaches it. ``plugin``: only that
+    plugin's implementations."""
+    for impl in reversed(hook.get_hookimpls()):
+        if plugin is None or impl.plugin is plugin:
+            yield impl, call_impl(impl, kwargs)
+
+
 def forward_kwargs(bus: pluggy.PluginManager, engine, given: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``dsplug_forward_begin`` and return the model's forward keywords: ``given`` (the
     caller's, which win) plus those the implementations returned (each keyword from one plugin)."""
     extra: Dict[str, Any] = {}
     owner: Dict[str, str] = {}
-    # pluggy's call order (last registered first), one implementation at a time to know who added what
-    for impl in reversed(bus.hook.dsplug_forward_begin.get_hookimpls()):
-        for key, value in (impl.function(engine=engine) or {}).items():
+    # one implementation at a time, to know who added what
+    for impl, answer in call_each(bus.hook.dsplug_forward_begin, {"engine": engine}):
+        for key, value in (answer or {}).items():
             if key in extra:
                 raise PluginHookError(f"plugins {owner[key]!r} and {impl.plugin_name!r} both add the forward keyword "
                                       f"{key!r} (dsplug_forward_begin)", impl.plugin_name, "dsplug_forward_begin")
@@ -85,8 +120,8 @@ def engine_methods(bus: pluggy.PluginManager, engine) -> Dict[str, Any]:
     """``{name: callable}`` the parts on the bus add to the engine (``dsplug_engine_methods``)."""
     methods: Dict[str, Any] = {}
     owner: Dict[str, str] = {}
-    for impl in reversed(bus.hook.dsplug_engine_methods.get_hookimpls()):
-        for name, method in (impl.function(engine=engine) or {}).items():
+    for impl, answer in call_each(bus.hook.dsplug_engine_methods, {"engine": engine}):
+        for name, method in (answer or {}).items():
             if name in methods or hasattr(type(engine), name):
                 other = owner.get(name, "the engine itself")
                 raise PluginHookError(f"{impl.plugin_name!r} adds the engine method {name!r}, which {other!r} "
@@ -104,8 +139,8 @@ def dataloader_options(bus: pluggy.PluginManager, engine, dataset, batch_size: i
     """The DataLoader keywords one part returned from ``dsplug_dataloader_options`` ({} if none)."""
     found: Dict[str, Any] = {}
     owner = None
-    for impl in reversed(bus.hook.dsplug_dataloader_options.get_hookimpls()):
-        options = impl.function(engine=engine, dataset=dataset, batch_size=batch_size)
+    arguments = {"engine": engine, "dataset": dataset, "batch_size": batch_size}
+    for impl, options in call_each(bus.hook.dsplug_dataloader_options, arguments):
         if not options:
             continue
         if owner is not None:

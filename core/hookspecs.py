@@ -11,7 +11,7 @@ take any subset of a hook's arguments, always passed by keyword. A function name
 that matches no hook below is reported by ``dsplug list`` (a misspelled hook is never silently
 ignored).
 
-There are three kinds of hook:
+There are four kinds of hook:
 
 * **Category hooks** (``dsplug_optimizers`` ...) describe what a plugin provides. Each returns a
   list of :class:`dsplug.PluginSpec`; the config value that selects a plugin is matched against
@@ -20,11 +20,12 @@ There are three kinds of hook:
   is a contract class in :mod:`dsplug.contracts` (its docstrings say what the engine calls and
   when).
 * **Service hooks** (``dsplug_cli_commands``, ``dsplug_api_modules``, ``dsplug_estimate_*``,
-  ``dsplug_auto_value``, ``dsplug_batch_sizes``, ``dsplug_engine_factory``) let a plugin extend
-  the kernel's own services: the command line, DeepSpeed's import paths, memory estimates,
-  Hugging Face ``"auto"`` values, the batch sizes (elastic training) and the engine class
-  ``initialize`` builds for a model (the pipeline engine for a ``PipelineModule``). A few more
-  (``dsplug_gathered_parameters``, ``dsplug_flops_counter``,
+  ``dsplug_auto_value``, ``dsplug_batch_sizes``, ``dsplug_engine_factory``,
+  ``dsplug_reduction_groups``, ``dsplug_param_reduction``) let a plugin extend the kernel's own
+  services: the command line, DeepSpeed's import paths, memory estimates, Hugging Face ``"auto"``
+  values, the batch sizes (elastic training), the engine class ``initialize`` builds for a model
+  (the pipeline engine for a ``PipelineModule``) and the group a parameter's gradient is averaged
+  in (MoE experts). A few more (``dsplug_gathered_parameters``, ``dsplug_flops_counter``,
   ``dsplug_activation_checkpoint_function``, ``dsplug_launch_override``) are how one plugin
   asks for what another provides: plugins never import each other's modules.
 * **Lifecycle hooks** (``dsplug_engine_built`` ...) are events of one engine. They are called
@@ -33,6 +34,11 @@ There are three kinds of hook:
   precision, compression methods); and every registered plugin that implements a lifecycle hook
   at module level. They must not raise for ordinary training events; when one does, the error
   names the plugin and the hook.
+* **Comm hooks** (``dsplug_comm_op``, ``dsplug_comm_summary``) see every collective of the comm
+  layer. They are called on :data:`dsplug.comm.events`, a process-wide plugin manager: an object
+  that implements them is registered there (``dsplug.comm.events.register(obj)``, as the comms
+  logger does for an engine's lifetime), and installed plugins that implement them at module level
+  are registered there when the process-wide registry is created.
 
 ``context`` below is the engine's :class:`dsplug.context.BuildContext` (accelerator, comm,
 config, rank, world size, model, registry): plugins talk to the world through it, never through
@@ -267,6 +273,94 @@ class ServiceSpecs:
         autotuning plugin answers for ``--autotuning tune|run`` (it runs experiments first).
         ``args``: the parsed ``dsplug launch`` arguments (an ``argparse.Namespace``);
         ``resources``: ``{host: [slot, ...]}``, what the launch would use.
+        """
+
+    @hookspec
+    def dsplug_reduction_groups(self, model, context):
+        """Create the process groups your :meth:`dsplug_param_reduction` answers will name for
+        ``model``'s parameters (dsplug's MoE plugin creates the ``"ep_size_<E>"`` expert groups the
+        experts' ``group_name`` marks name).
+
+        Called by the engine once, on every rank, after the model is placed on its device and
+        before its parameters are broadcast (:func:`dsplug.comm.groups.broadcast_module_state`)
+        and the ZeRO stage is built. ``model``: the module being trained (after compression);
+        ``context``: the engine's :class:`dsplug.context.BuildContext`. Every rank is called, so
+        collectives are allowed, and creating a group (``dsplug.comm.new_group``) is one: create
+        the same groups in the same order on every rank, also on a rank whose part of the model
+        has none of your parameters (gather what the ranks need first).
+
+        Return the names of the groups the model's parameters use (the same list on every rank),
+        or None. The engine keeps the sorted union as ``engine.reduction_groups`` ([] for a
+        model whose every parameter is reduced over the data-parallel group).
+        """
+
+    @hookspec(firstresult=True)
+    def dsplug_param_reduction(self, param, context):
+        """Where the gradient of ``param`` is averaged, when not over the whole data-parallel group.
+
+        Asked through :meth:`dsplug.context.BuildContext.reduction_of` by the ZeRO stages when
+        they are built (once per trained parameter) and by the engine when it broadcasts the
+        initial weights (once per parameter), after :meth:`dsplug_reduction_groups`; keep it
+        cheap. ``param``: a ``torch.nn.Parameter`` of the model; ``context``: the engine's
+        :class:`dsplug.context.BuildContext` (``context.comm`` / ``context.world_size``: the
+        data-parallel group).
+
+        Return None for a parameter that is not yours: it is summed over the data-parallel
+        group and divided by its size, every rank holding the same value. Otherwise a
+        :class:`dsplug.descriptors.Reduction`: a ``key`` naming the group, the ``comm`` of the
+        ranks holding the same value (the gradient is summed there, ZeRO stages 1-2 partition
+        the parameter over them, the engine broadcasts its initial value from their first
+        rank), the ``divisor`` of the sum, the ``shard_comm`` of the ranks holding different
+        values (gradient norms add over it), and ``what`` / ``advice`` for error messages.
+        dsplug's MoE plugin answers for parameters marked ``allreduce = False`` (DeepSpeed's
+        expert marks): their expert-data-parallel group, divided by the data-parallel world
+        size. ZeRO stage 3 refuses a parameter with an answer; stages 0-2 honour it. The first
+        non-None answer wins (firstresult).
+        """
+
+
+class CommSpecs:
+    """What the comm layer (:mod:`dsplug.comm`) reports, called on :data:`dsplug.comm.events`.
+
+    While no ``dsplug_comm_op`` implementation is registered, collectives are neither timed nor
+    synchronized: watching costs nothing until someone watches.
+    """
+
+    @hookspec
+    def dsplug_comm_op(self, op, nbytes, latency_s, world_size, async_op, caller):
+        """One collective (or point-to-point message) of the comm layer finished.
+
+        Called on the rank that issued it, once per op, after it completed: right after a
+        blocking op, at ``wait()`` of an op launched with ``async_op=True``. While any
+        implementation is registered the device is synchronized before the op starts and before
+        this call, so the latency covers the op's completion (no-op on CPU).
+
+        * ``op``: the comm layer's name of the operation: ``"all_reduce"``, ``"broadcast"``,
+          ``"all_gather"``, ``"reduce_scatter"``, ``"reduce"``, ``"barrier"``, ``"send"``,
+          ``"recv"``, ``"all_to_all_single"``, ``"all_to_all"`` (a gloo reduce-scatter with an op
+          other than sum runs and is reported as ``"all_reduce"``);
+        * ``nbytes``: the message size in bytes: the tensor of an all-reduce / broadcast / reduce /
+          send / recv, the whole output of an all-gather, the whole input of a reduce-scatter or
+          an all-to-all, 0 for a barrier;
+        * ``latency_s``: seconds from launch to completion (to ``wait()`` for an async op);
+        * ``world_size``: the size of the group the op ran in;
+        * ``async_op``: the op was launched with ``async_op=True``;
+        * ``caller``: the qualified name of the function outside the comm layer that issued the op
+          (``"GradientBuckets._launch"``). It costs a stack walk per op, so it is looked up only
+          while some registered implementation takes this argument; take it only when you use it.
+
+        Take any subset of the arguments. The answer is ignored; an exception propagates from the
+        collective that reported it.
+        """
+
+    @hookspec
+    def dsplug_comm_summary(self, show_straggler):
+        """``dsplug.comm.log_summary(show_straggler)`` was called: print your summary (on the ranks
+        that should print) and return it as text, or None when you keep none.
+
+        ``show_straggler``: DeepSpeed's straggler analysis was asked for; an implementation may
+        gather from every rank then (every rank calls ``log_summary``). When no implementation
+        answers, ``log_summary`` says that no comms logger is active.
         """
 
 

@@ -19,7 +19,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import pluggy
 
 from .descriptors import CATEGORIES, ApiModule, CliCommand, PluginSpec, Provided
-from .hookspecs import CATEGORY_HOOKS, PROJECT, CategorySpecs, LifecycleSpecs, ServiceSpecs
+from .events import call_impl
+from .hookspecs import CATEGORY_HOOKS, PROJECT, CategorySpecs, CommSpecs, LifecycleSpecs, ServiceSpecs
 
 if sys.version_info >= (3, 10):
     from importlib.metadata import entry_points as _entry_points
@@ -78,6 +79,7 @@ class Registry:
         self.pm.add_hookspecs(CategorySpecs)
         self.pm.add_hookspecs(ServiceSpecs)
         self.pm.add_hookspecs(LifecycleSpecs)
+        self.pm.add_hookspecs(CommSpecs)
         self.blocked = tuple(blocked) if blocked is not None else blocked_from_env()
         self._blocked_lower = {_norm(b) for b in self.blocked}
         self.broken: List[Tuple[str, str, str]] = []  # (entry point, distribution, error)
@@ -162,7 +164,7 @@ class Registry:
             for impl in sorted(hook.get_hookimpls(), key=lambda i: self._origin.get(id(i.plugin), ("",))[0] != PROJECT):
                 origin = self._origin.get(id(impl.plugin), ("<unknown>", "?", impl.plugin_name))
                 try:
-                    specs = list(impl.function() or [])
+                    specs = list(call_impl(impl, {}) or [])
                     for spec in specs:
                         self._check_spec(category, hook_name, spec, origin)
                 except Exception as exc:  # a plugin whose hook raises or returns junk is reported, not fatal
@@ -274,7 +276,7 @@ class Registry:
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             origin = self.origin(impl.plugin)
             try:
-                items = list(impl.function() or [])
+                items = list(call_impl(impl, {}) or [])
                 bad = [i for i in items if not isinstance(i, kind)]
                 if bad:
                     raise PluginError(f"{hook_name} returned {bad[0]!r}; expected {kind.__module__}.{kind.__name__}")
@@ -336,6 +338,26 @@ class Registry:
         return found
 
 
+    def comm_plugins(self) -> List[object]:
+        """Registered plugins that implement a comm hook (:class:`dsplug.hookspecs.CommSpecs`) directly."""
+        found = []
+        for name in (n for n in dir(CommSpecs) if n.startswith("dsplug_")):
+            for impl in getattr(self.pm.hook, name).get_hookimpls():
+                if impl.plugin not in found:
+                    found.append(impl.plugin)
+        return found
+
+    def install_comm_plugins(self) -> None:
+        """Register :meth:`comm_plugins` on :data:`dsplug.comm.events` (in place of an earlier
+        registry's); the comm layer (and torch) is imported only when there is something to do."""
+        plugins = self.comm_plugins()
+        if not plugins and "dsplug.comm" not in sys.modules:
+            return
+        from .comm import events
+
+        events.install(plugins, [self.pm.get_name(p) for p in plugins])
+
+
 _REGISTRY: Optional[Registry] = None
 
 
@@ -344,4 +366,5 @@ def get_registry(refresh: bool = False) -> Registry:
     global _REGISTRY
     if _REGISTRY is None or refresh:
         _REGISTRY = Registry()
+        _REGISTRY.install_comm_plugins()  # module-level comm hooks see every collective of the process
     return _REGISTRY

@@ -2,7 +2,9 @@
 
 A thin layer over ``torch.distributed`` (gloo on CPU, NCCL on CUDA, chosen by the accelerator
 plugin) so that logging, counting and backend gaps (gloo has no reduce-scatter) live in one place.
-Listeners (e.g. the comms logger plugin) see every collective with its size and latency.
+Every collective is reported through the ``dsplug_comm_op`` hook (:class:`dsplug.hookspecs.CommSpecs`)
+to what is registered on :data:`events` (the comms logger, byte counters), with its size and
+latency; while nothing is registered, no timing or device synchronization happens.
 
 Every collective is bounded by the comm timeout (``comm_timeout_s`` / ``DSPLUG_COMM_TIMEOUT``):
 a dead or stopped rank makes it raise :class:`CommError` naming that rank and the enclosing
@@ -24,9 +26,12 @@ import torch.distributed as dist
 
 from . import faults
 from .faults import ENV_TIMEOUT, CommError, operation  # noqa: F401  (public: dsplug.comm.CommError, ...)
+from .hooks import CommEvents
 
 ReduceOp = dist.ReduceOp
-_listeners: List[object] = []
+#: the plugin manager of the comm hooks: register an object implementing ``dsplug_comm_op`` /
+#: ``dsplug_comm_summary`` to see every collective (see :mod:`dsplug.comm.hooks`)
+events = CommEvents()
 
 
 # ------------------------------------------------------------------------------ process group
@@ -177,43 +182,21 @@ def destroy_process_group() -> None:
     faults.forget()
 
 
-# ------------------------------------------------------------------------------ listeners
-def add_listener(listener) -> None:
-    """``listener.record(op, nbytes, latency_s, world_size)`` is called after each collective.
-
-    A listener with ``wants_details = True`` is called with two more keywords: ``async_op``
-    (the op was launched with ``async_op=True`` and is timed from launch to ``wait()``) and
-    ``caller`` (qualified name of the function that issued the op; only looked up while some
-    listener has ``wants_caller = True``, else None). While any listener is present the device
-    is synchronized around each op so that latencies cover the op's completion.
-    """
-    if listener not in _listeners:
-        _listeners.append(listener)
-
-
-def remove_listener(listener) -> None:
-    if listener in _listeners:
-        _listeners.remove(listener)
-
-
+# ------------------------------------------------------------------------------ comm hooks
 def log_summary(show_straggler: bool = False) -> None:
-    """Print the summary of every listener that keeps one (the comms logger).
+    """Print the summaries of what is registered on :data:`events` (``dsplug_comm_summary``: the
+    comms logger's table).
 
     ``show_straggler`` is passed on; it makes the comms logger gather latencies from every rank,
     so then every rank must call this.
     """
-    printed = False
-    for listener in list(_listeners):
-        summary = getattr(listener, "log_summary", None)
-        if summary is not None:
-            summary(show_straggler=show_straggler)
-            printed = True
-    if not printed:
+    answers = events.hook.dsplug_comm_summary(show_straggler=show_straggler)
+    if not answers:
         print("dsplug.comm.log_summary: no comms logger is active (enable the comms_logger config section)")
 
 
 class _Work:
-    """A finished-or-pending collective whose ``wait()`` also reports to listeners."""
+    """A finished-or-pending collective whose ``wait()`` also reports it (``dsplug_comm_op``)."""
 
     def __init__(self, work, op: str, nbytes: int, start: float, world: int, caller: Optional[str] = None,
                  gloo: bool = False):
@@ -243,15 +226,12 @@ class _Work:
 
 def _report(op: str, nbytes: int, start: float, world: int, async_op: bool = False,
             caller: Optional[str] = None) -> None:
-    if not _listeners:
+    if not events.watching:
         return
     _synchronize()
     latency = time.perf_counter() - start
-    for listener in list(_listeners):
-        if getattr(listener, "wants_details", False):
-            listener.record(op, nbytes, latency, world, async_op=async_op, caller=caller)
-        else:
-            listener.record(op, nbytes, latency, world)
+    events.hook.dsplug_comm_op(op=op, nbytes=nbytes, latency_s=latency, world_size=world, async_op=async_op,
+                               caller=caller)
 
 
 def _synchronize() -> None:
@@ -261,12 +241,19 @@ def _synchronize() -> None:
     get_accelerator().synchronize()
 
 
+#: the comm layer's own files: the issuing function is the first frame outside them
+_OWN_FILES = frozenset({__file__, os.path.join(os.path.dirname(__file__), "bound.py"),
+                        os.path.join(os.path.dirname(__file__), "deepspeed_compat.py")})
+
+
 def _caller() -> Optional[str]:
-    """The function outside this module that issued the current op (only while a listener asks)."""
-    if not any(getattr(listener, "wants_caller", False) for listener in _listeners):
+    """The function outside the comm layer that issued the current op (only while a ``dsplug_comm_op``
+    implementation takes ``caller``): the comm layer's own frames (this module, a
+    :class:`~dsplug.comm.bound.GroupComm`, DeepSpeed's spellings) are skipped."""
+    if not events.wants_caller:
         return None
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
         frame = frame.f_back
     if frame is None:
         return None
@@ -296,8 +283,9 @@ def _run(op: str, tensor_bytes: int, fn: Callable, async_op: bool, group):
     if world == 1 and not is_initialized():
         return _Work(None, op, tensor_bytes, time.perf_counter(), 1) if async_op else None
     faults.check_usable(op)
-    caller = _caller() if _listeners else None
-    if _listeners:
+    watching = events.watching
+    caller = _caller() if watching else None
+    if watching:
         _synchronize()
     start = time.perf_counter()
     try:
@@ -306,7 +294,7 @@ def _run(op: str, tensor_bytes: int, fn: Callable, async_op: bool, group):
         _raise_failure(op, start, exc)
     if async_op:
         return _Work(work, op, tensor_bytes, start, world, caller, gloo=get_backend(group) == "gloo")
-    if _listeners:
+    if watching:
         _report(op, tensor_bytes, start, world, caller=caller)
     return None
 
@@ -442,7 +430,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
 
     gloo has no reduce-scatter: there a sum is a ring reduce-scatter over point-to-point messages
     (:func:`_gloo_ring_reduce_scatter`); another op is an all-reduce of ``input`` (in place)
-    followed by a copy of this rank's slice (listeners then see op ``"all_reduce"``). Both finish
+    followed by a copy of this rank's slice (reported as op ``"all_reduce"``). Both finish
     before returning (None) even with ``async_op``.
     """
     gloo = get_backend(group) == "gloo"
@@ -527,14 +515,14 @@ from .deepspeed_compat import *  # noqa: E402,F401,F403
 
 # ------------------------------------------------------------------------------ point-to-point, all-to-all
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
-    """Send ``tensor`` to global rank ``dst`` (blocking). Listeners see op ``"send"`` with the
+    """Send ``tensor`` to global rank ``dst`` (blocking). Reported as op ``"send"`` with the
     tensor's bytes."""
     _run("send", _nbytes(tensor), lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False, group)
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> int:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None); returns the sender's
-    rank, like torch. Listeners see op ``"recv"`` with the tensor's bytes (the message size)."""
+    rank, like torch. Reported as op ``"recv"`` with the tensor's bytes (the message size)."""
     sender = [src if src is not None else -1]
 
     def fn():
@@ -546,7 +534,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int =
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     """Asynchronous :func:`send`: returns a work handle whose ``wait()`` finishes it (and reports
-    op ``"send"`` to listeners, flagged async)."""
+    op ``"send"``, flagged async)."""
     return _run("send", _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True, group)
 
 
@@ -639,7 +627,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     Uses the backend's all-to-all (NCCL, MPI and recent torch's gloo have it); a backend without
     one gets an isend/irecv pair per other rank plus a local copy of the own chunk, same result.
 
-    Listeners see op ``"all_to_all_single"`` with nbytes = the bytes of ``input`` (the message
+    Reported as op ``"all_to_all_single"`` with nbytes = the bytes of ``input`` (the message
     size, like the whole output of an all-gather and the whole input of a reduce-scatter; the
     bus factor (n - 1) / n of the comms logger turns it into what goes to other ranks when the
     splits are equal).
@@ -666,7 +654,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     shape (natively where the backend can; gloo's all-to-all takes one shape only, so other lists
     go as point-to-point messages, as in :func:`all_to_all_single` on a backend without one).
 
-    Listeners see op ``"all_to_all"`` with nbytes = the bytes of all of ``input_tensor_list``."""
+    Reported as op ``"all_to_all"`` with nbytes = the bytes of all of ``input_tensor_list``."""
     world = get_world_size(group)
     if len(output_tensor_list) != world or len(input_tensor_list) != world:
         raise ValueError(f"all_to_all: expected {world} output and input tensors (one per rank), got "

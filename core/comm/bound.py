@@ -11,7 +11,7 @@ model-parallel unit (``initialize(mpu=...)``) or a pipeline grid it is one of se
   GROUP ranks, translated to the global ranks torch.distributed expects; ``recv`` returns the
   sender's group rank.
 
-Anything else (``ReduceOp``, ``add_listener``, ``operation``, ...) is the comm module's: a new
+Anything else (``ReduceOp``, ``events``, ``operation``, ...) is the comm module's: a new
 collective of the comm layer needs a method here too (tests/core/test_parallel_groups.py checks that
 every public function taking ``group`` has one).
 """

@@ -1,8 +1,8 @@
 """DeepSpeed's ``deepspeed.comm`` names beyond dsplug's own collectives (``new_group``,
 ``get_world_group``, ``inference_all_reduce``, ``gather``, ``scatter``, ...; the point-to-point
 and all-to-all ops are the comm layer's own), re-exported by
-:mod:`dsplug.comm`. Collectives go through the comm layer's ``_run`` so listeners (the comms
-logger) see them like every other.
+:mod:`dsplug.comm`. Collectives go through the comm layer's ``_run`` so they are reported
+(``dsplug_comm_op``: the comms logger) like every other.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import attrs
 
+from ..events import call_impl
 from ..registry import PluginNotFoundError, get_registry, suggest
 from .auto import BATCH_KEYS, auto_paths, fill_auto
 from .batch import BatchError, implied_world_size, infer_batch
@@ -236,7 +237,7 @@ class DsplugConfig(abc.Mapping):
         arguments = {"config": self, "world_size": self.world_size, "report": report}
         for impl in reversed(hook.get_hookimpls()):
             try:
-                answer = impl.function(**{name: arguments[name] for name in impl.argnames})
+                answer = call_impl(impl, arguments)
             except ConfigError:
                 raise
             except Exception as exc:  # a buggy plugin must be visible, not fatal to the message

@@ -156,16 +156,15 @@ def plugin_state(engine, part) -> Dict[str, Dict[str, Any]]:
     ``{"model": {key: state}, "rank": {key: state}}``, from its own ``dsplug_checkpoint_state``
     implementation(s), called the way a save calls them."""
     from ..contracts.checkpoint import SaveOptions
+    from ..events import call_each
 
     out: Dict[str, Dict[str, Any]] = {"model": {}, "rank": {}}
     if part is None:
         return out
     options = SaveOptions(tag="probe", save_dir="")
-    impls = [i for i in engine.events.hook.dsplug_checkpoint_state.get_hookimpls() if i.plugin is part]
     for scope in out:
         kwargs = {"engine": engine, "scope": scope, "options": options}
-        for impl in impls:
-            got = impl.function(**{name: kwargs[name] for name in impl.argnames})
+        for _impl, got in call_each(engine.events.hook.dsplug_checkpoint_state, kwargs, plugin=part):
             if got:
                 out[scope].update(got)
     return out

@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.utils``: the names scripts and integrations import from it.
 
 * :data:`logger`, :func:`log_dist` (:mod:`.logging`);
-* :mod:`.groups` — data-parallel group helpers (``groups._get_data_parallel_world_size()`` ...);
+* :mod:`.groups` — process groups (``groups._get_data_parallel_world_size()`` ...), from the
+  plugin declaring the path (the MoE plugin; the kernel's own are :mod:`dsplug.comm.groups`);
 * ``safe_get_full_fp32_param`` / ``safe_get_full_grad`` / ``safe_get_full_optimizer_state`` /
   ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (:mod:`.tensor_fragment`):
   full values of a parameter whatever the ZeRO stage holds of it, answered by the engine's stage;

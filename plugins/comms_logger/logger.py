@@ -1,8 +1,9 @@
-"""The listener that records collectives and prints DeepSpeed-style summaries.
+"""The recorder of collectives and its DeepSpeed-style summaries.
 
-A :class:`CommsLogger` is added to :mod:`dsplug.comm` with ``add_listener``; the comm layer
-calls :meth:`CommsLogger.record` after each collective. Records are grouped by op (plus the
-issuing function with ``debug``) and message size.
+A :class:`CommsLogger` keeps the records; :func:`comm_hooks` makes the object registered on
+:data:`dsplug.comm.events`, whose ``dsplug_comm_op`` implementation calls
+:meth:`CommsLogger.record` after each collective and whose ``dsplug_comm_summary`` prints the
+table. Records are grouped by op (plus the issuing function with ``debug``) and message size.
 
 Bandwidth follows the nccl-tests definitions: the algorithmic bandwidth is the message size over
 the latency; the bus bandwidth scales it by what each rank must move on the wire,
@@ -23,6 +24,7 @@ from __future__ import annotations
 from array import array
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from dsplug.hookspecs import hookimpl
 from dsplug.logging import logger
 
 #: key of a group of records: (op, caller or None)
@@ -93,7 +95,7 @@ class OpStats:
 
 
 class CommsLogger:
-    """Records collectives reported by :mod:`dsplug.comm` (a comm-layer listener).
+    """Records collectives reported by :mod:`dsplug.comm` (through :func:`comm_hooks`).
 
     ops:     the op names to record, or None for every op (``prof_all``)
     verbose: log one line per op as it completes (on every rank, prefixed with the rank)
@@ -101,13 +103,11 @@ class CommsLogger:
     comm:    the comm layer, for the straggler analysis (``all_gather_object``)
     """
 
-    wants_details = True  # the comm layer passes async_op and caller
-
     def __init__(self, rank: int = 0, verbose: bool = False, debug: bool = False,
                  ops: Optional[Iterable[str]] = None, comm=None):
         self.rank = rank
         self.verbose = verbose
-        self.wants_caller = debug
+        self.debug = debug
         self.ops = frozenset(ops) if ops is not None else None
         self.comm = comm
         self.records: Dict[Label, Dict[int, OpStats]] = {}
@@ -117,7 +117,7 @@ class CommsLogger:
                caller: Optional[str] = None) -> None:
         if self.ops is not None and op not in self.ops:
             return
-        label = (op, caller if self.wants_caller else None)
+        label = (op, caller if self.debug else None)
         algbw, busbw = bandwidths(op, nbytes, latency_s, world)
         stats = self.records.setdefault(label, {}).get(nbytes)
         if stats is None:
@@ -211,3 +211,34 @@ class CommsLogger:
 
 def _row(cells: List[str]) -> str:
     return "".join(f"{c:<{COLUMN}}" for c in cells[:-1]) + cells[-1]
+
+
+# ---------------------------------------------------------------------- the comm hooks
+class CommHooks:
+    """The comm-hook implementations of one :class:`CommsLogger` (what goes on
+    ``dsplug.comm.events``). Without ``debug`` the op hook does not take ``caller``, so the comm
+    layer does not look the issuing function up."""
+
+    def __init__(self, log: CommsLogger):
+        self.log = log
+
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes, latency_s, world_size, async_op):
+        self.log.record(op, nbytes, latency_s, world_size, async_op=async_op)
+
+    @hookimpl
+    def dsplug_comm_summary(self, show_straggler):
+        return self.log.log_summary(show_straggler=show_straggler)
+
+
+class CallerCommHooks(CommHooks):
+    """:class:`CommHooks` of a ``debug`` logger: records the issuing function too."""
+
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes, latency_s, world_size, async_op, caller):
+        self.log.record(op, nbytes, latency_s, world_size, async_op=async_op, caller=caller)
+
+
+def comm_hooks(log: CommsLogger) -> CommHooks:
+    """The object to register on ``dsplug.comm.events`` for ``log``."""
+    return (CallerCommHooks if log.debug else CommHooks)(log)

@@ -1,8 +1,9 @@
 """Registers the comms logger: it owns the ``comms_logger`` config section.
 
 Entry point: ``observer-comms-logger = "dsplug.plugins.comms_logger.plugin"``. With
-``comms_logger.enabled`` the factory adds a :class:`~.logger.CommsLogger` to the engine's comm
-layer; ``dsplug.comm.log_summary()`` prints its table; closing the engine removes it.
+``comms_logger.enabled`` the factory registers a :class:`~.logger.CommsLogger`'s comm hooks
+(``dsplug_comm_op``, ``dsplug_comm_summary``) on the engine's comm layer (``context.comm.events``);
+``dsplug.comm.log_summary()`` prints its table; closing the engine unregisters them.
 """
 from __future__ import annotations
 
@@ -14,25 +15,29 @@ from .config import DEEPSPEED_OPS, CommsLoggerConfig, selected_ops
 
 
 class CommsLoggerObserver(Observer):
-    """Engine observer owning the listener for the engine's lifetime."""
+    """Engine observer keeping the logger's comm hooks registered for the engine's lifetime."""
 
     name = "comms_logger"
 
-    def __init__(self, listener, comm):
-        self.listener = listener
+    def __init__(self, log, comm):
+        from .logger import comm_hooks
+
+        self.log = log  # the CommsLogger (its records and summaries)
         self.comm = comm
-        comm.add_listener(listener)
+        self.hooks = comm_hooks(log)
+        comm.events.register(self.hooks, name=f"comms_logger:{id(self.hooks)}")
 
     def log_summary(self, show_straggler: bool = False) -> str:
-        return self.listener.log_summary(show_straggler=show_straggler)
+        return self.log.log_summary(show_straggler=show_straggler)
 
     @hookimpl
     def dsplug_engine_closed(self, engine):
-        self.comm.remove_listener(self.listener)
+        if self.comm.events.is_registered(self.hooks):
+            self.comm.events.unregister(self.hooks)
 
 
 def build_observer(config, context):
-    """``factory(config, context)``: the observer with its listener added, or None when disabled."""
+    """``factory(config, context)``: the observer with its comm hooks registered, or None when disabled."""
     from dsplug.config.schema import parse
     from dsplug.logging import logger
 
@@ -55,9 +60,9 @@ def build_observer(config, context):
                            "so nothing will be logged")
     from .logger import CommsLogger
 
-    listener = CommsLogger(rank=context.rank, verbose=config.verbose, debug=config.debug,
-                           ops=selected_ops(config), comm=context.comm)
-    return CommsLoggerObserver(listener, context.comm)
+    log = CommsLogger(rank=context.rank, verbose=config.verbose, debug=config.debug,
+                      ops=selected_ops(config), comm=context.comm)
+    return CommsLoggerObserver(log, context.comm)
 
 
 SPEC = PluginSpec(

@@ -46,14 +46,14 @@ def _prefix(layer_name: str) -> str:
 
 
 def _ep_rank(layer) -> int:
-    from dsplug.utils import groups
+    from . import groups
 
     layer.deepspeed_moe.ensure_ep_group()
     return groups._get_expert_parallel_rank(layer.expert_group_name)
 
 
 def _edp_rank(layer) -> int:
-    from dsplug.utils import groups
+    from . import groups
 
     layer.deepspeed_moe.ensure_ep_group()
     return groups._get_expert_data_parallel_rank(layer.expert_group_name)

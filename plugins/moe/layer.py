@@ -8,7 +8,7 @@ load-balancing loss to add to the model's loss (scaled by a coefficient, e.g. 0.
 
 Expert parallelism: the experts are sharded over ``ep_size`` ranks of the data-parallel group
 (``num_experts // ep_size`` on each); tokens go to the rank of their expert and back by
-all-to-all. The ``"ep_size_<N>"`` process groups (:mod:`dsplug.utils.groups`) are created on the
+all-to-all. The ``"ep_size_<N>"`` process groups (:mod:`.groups`, ``dsplug.utils.groups``) are created on the
 first forward, or explicitly by :meth:`MoE.set_deepspeed_parallelism` (every rank alike).
 
 PR-MoE (``use_residual=True``, the DeepSpeed-MoE paper's Residual-MoE): a dense copy of the
@@ -83,7 +83,7 @@ class MoE(torch.nn.Module):
         self._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)
 
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
-        from dsplug.utils import groups
+        from . import groups
 
         if self.enable_expert_tensor_parallelism and groups._get_model_parallel_world_size() > 1:
             raise ValueError("MoE: enable_expert_tensor_parallelism=True with a model-parallel unit is not available "

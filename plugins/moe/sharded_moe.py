@@ -355,7 +355,7 @@ class MOELayer(torch.nn.Module):
         """Create (if needed) and adopt the ``ep_size_<N>`` groups (every rank calls it alike)."""
         if self._ep_group_set:
             return
-        from dsplug.utils import groups
+        from . import groups
 
         if self.ep_group_name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(self.ep_size,

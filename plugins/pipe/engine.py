@@ -86,7 +86,7 @@ class PipelineEngine(Engine):
         if str(provided.name) in ("2", "3"):
             raise PipelineError(f"zero_optimization.stage {provided.name} cannot be combined with pipeline "
                                 "parallelism (as in DeepSpeed); use stage 0 or 1")
-        if self.expert_groups:  # the union over every rank (dsplug.utils.groups.create_expert_groups)
+        if self.reduction_groups:  # the union over every rank (the MoE plugin's dsplug_reduction_groups)
             raise PipelineError("MoE expert parameters (dsplug.moe layers) in a PipelineModule are not available in "
                                 "dsplug: the pipeline's data-parallel groups and the expert groups are not combined yet")
         if self.context.comm.get_backend() == "nccl" and model.num_pipeline_stages() > 1:
@@ -94,7 +94,7 @@ class PipelineEngine(Engine):
                                 "posts a send before the matching receive in both directions, which NCCL can "
                                 "deadlock on; run the pipeline over gloo")
         # gradient_clipping and fp16 across stages: refused by the kernel for any mpu of several slices
-        # (dsplug.utils.groups.refuse_per_slice_decisions); the grid's model-parallel slices are the stages
+        # (dsplug.comm.groups.refuse_per_slice_decisions); the grid's model-parallel slices are the stages
 
     # ------------------------------------------------------------------ DeepSpeed's stage questions
     def is_first_stage(self) -> bool:
@@ -423,7 +423,7 @@ class PipelineEngine(Engine):
                                         same_layout=lambda tag_: Engine.load_checkpoint(self, load_dir, tag_, **flags))
 
     def destroy(self) -> None:
-        from dsplug.utils import groups
+        from dsplug.comm import groups
 
         for h in self._tied_hooks:
             h.remove()

@@ -402,7 +402,7 @@ def write_extra_files(options, rank: int, files: Dict[str, Any], links: Dict[str
     staging = ckpt.partial_dir(options.save_dir, options.tag) if options.save_dir else ""
     if not staging or not os.path.isdir(staging):
         return  # not a save in progress (e.g. a contract test asking for the state)
-    from dsplug.utils import groups
+    from dsplug.comm import groups
 
     if groups._get_model_parallel_world_size() > 1:
         return  # DeepSpeed's names below are those of model-parallel slice 0 only: not written with an mpu

@@ -38,7 +38,7 @@ from . import deepspeed_format as dsf
 from .gradients import unscale_check_clip
 from .optimizer_check import check_elementwise
 from .partition import FlatGroup, gather_partitions, round_robin_order
-from .buckets import expert_domains
+from .buckets import reduction_domains
 from .reducer import GradientReducer, ReducerSet
 from .stage0 import _comm_dtype
 from .zero_to_fp32 import merge_partitions
@@ -46,30 +46,31 @@ from .zero_to_fp32 import merge_partitions
 
 @attrs.define(frozen=True)
 class Domain:
-    """Where a param group is partitioned and reduced: ``name`` None = the data-parallel group,
-    else a MoE expert group's expert-data-parallel group; ``comm`` bound to it."""
+    """Where a param group is partitioned and reduced (``context.reduction_of`` of its
+    parameters): ``name`` None = the data-parallel group, else the key of the group a plugin
+    averages them in; ``comm`` bound to it; the sums divided by ``divisor``."""
 
     name: Optional[str]
     comm: object
     rank: int
     world_size: int
+    divisor: int = 1
+    what: str = "parameters"
 
 
 def _domain_of(group: dict, gi: int, names, stage) -> Domain:
-    domains = expert_domains(list(group["params"]))
+    domains = reduction_domains(list(group["params"]), stage.context.reduction_of)
     if len(domains) > 1:
-        experts = [names[p] for name, ps in domains.items() if name is not None for p in ps]
-        raise ValueError(f"ZeRO stage {stage.stage}: param group {gi} mixes MoE expert parameters ({', '.join(experts[:3])}"
-                         f"{' ...' if len(experts) > 3 else ''}) with dense ones; give the optimizer separate groups "
-                         "(dsplug.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups)), as "
-                         "DeepSpeed requires")
-    name = next(iter(domains))
+        other = next(r for key, (r, _ps) in domains.items() if key is not None)
+        listed = [names[p] for key, (_r, ps) in domains.items() if key is not None for p in ps]
+        raise ValueError(f"ZeRO stage {stage.stage}: param group {gi} mixes {other.what} ({', '.join(listed[:3])}"
+                         f"{' ...' if len(listed) > 3 else ''}) with parameters averaged elsewhere; give the optimizer "
+                         f"separate groups{f' ({other.advice})' if other.advice else ''}")
+    (name, (reduction, _params)), = domains.items()
     if name is None:
-        return Domain(None, stage.comm, stage.rank, stage.world_size)
-    from dsplug.utils import groups
-
-    bound = groups.expert_data_parallel_comm(name)
-    return Domain(name, bound, bound.get_rank(), bound.get_world_size())
+        return Domain(None, stage.comm, stage.rank, stage.world_size, reduction.divisor)
+    bound = reduction.comm
+    return Domain(name, bound, bound.get_rank(), bound.get_world_size(), reduction.divisor, reduction.what)
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -99,8 +100,8 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
 
         names = {p: n for n, p in module.named_parameters()}
         _check_groups(param_groups, names, stage)
-        #: per param group: where it is partitioned (the data-parallel group, or a MoE expert group's
-        #: expert-data-parallel group: see plugins/zero/buckets.py expert_domains)
+        #: per param group: where it is partitioned (the data-parallel group, or the group a plugin
+        #: averages its parameters in: see plugins/zero/buckets.py reduction_domains)
         self.domains: List[Domain] = [_domain_of(g, gi, names, self) for gi, g in enumerate(param_groups)]
         self.groups: List[FlatGroup] = []
         for gi, (g, domain) in enumerate(zip(param_groups, self.domains)):
@@ -147,7 +148,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
                 reduce_scatter=bool(getattr(zero_config, "reduce_scatter", True)),
                 overlap=bool(getattr(zero_config, "overlap_comm", False)),
                 contiguous=bool(getattr(zero_config, "contiguous_gradients", True)),
-                grad_of=self._grad_of, release=self._release, deliver=self._deliver, divisor=self.world_size))
+                grad_of=self._grad_of, release=self._release, deliver=self._deliver, divisor=domain.divisor))
         self.reducer = reducers[0] if len(reducers) == 1 else ReducerSet(reducers)
         self._boundary = True
         self._unreduced = False  # stage 1: accumulated gradients not reduced yet
@@ -323,11 +324,12 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         if self._same_partitioning(state):
             slices = [self._slice_of_saved_group(g) for g in state["groups"]]
         else:
-            if any(d.name is not None for d in self.domains):
+            other = next((d for d in self.domains if d.name is not None), None)
+            if other is not None:
                 raise CheckpointError(f"the checkpoint was saved by {state['world_size']} data-parallel ranks and this "
-                                      f"run has {self.world_size}; ZeRO stage {self.stage} partitions of MoE expert "
-                                      "parameters reload at the same data-parallel world size only (or pass "
-                                      "load_module_only=True for the weights)")
+                                      f"run has {self.world_size}; ZeRO stage {self.stage} partitions of {other.what} "
+                                      f"(averaged in the group {other.name!r}) reload at the same data-parallel world "
+                                      "size only (or pass load_module_only=True for the weights)")
             if read_rank is None:
                 raise CheckpointError(f"the checkpoint was saved with {state['world_size']} ranks ({state['layout']} "
                                       f"layout); re-slicing it for {self.world_size} needs every rank's file")
@@ -342,8 +344,8 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
                         group.local.copy_(target)
                 else:
                     target.copy_(group.local)  # master := the module's (possibly 16-bit) weights
-            for domain, groups in self._by_domain():  # the module file holds rank 0's experts only:
-                if domain.name is not None and domain.world_size > 1:  # this rank's come from its partitions
+            for domain, groups in self._by_domain():  # the module file holds rank 0's values only: those
+                if domain.name is not None and domain.world_size > 1:  # differing by rank come from its partitions
                     gather_partitions(groups, domain.comm, self.allgather_elements, self.use_broadcast)
         if load_optimizer_states and self.optimizer is not None:
             states, groups, index = {}, [], 0

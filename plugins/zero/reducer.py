@@ -103,8 +103,8 @@ class GradientReducer:
         self.buckets = make_buckets(order, self.group_of, bucket_elements)
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self.comm, self.rank, self.world_size = comm, rank, world_size
-        #: what the sums are divided by: the world size, or for MoE expert parameters (reduced in
-        #: their expert-data-parallel group) the data-parallel world size
+        #: what the sums are divided by: the world size, or a reduction's divisor (the data-parallel
+        #: world size for parameters summed over a smaller group: dsplug_param_reduction)
         self.divisor = divisor or world_size
         self.dtype, self.device = dtype, device
         self.prescale, self.predivide = prescale, float(predivide)
@@ -223,7 +223,7 @@ class GradientReducer:
             return
         group = self.group_of[p]
         flat = grad.reshape(-1)
-        if self.divisor != 1:  # an expert group of one rank under a larger data-parallel world
+        if self.divisor != 1:  # a reduction group of one rank under a larger data-parallel world
             flat = flat / self.divisor
         offset = 0
         for _, start, length in group.pieces(p):
@@ -283,8 +283,8 @@ class GradientReducer:
 
 
 class ReducerSet:
-    """The reducers of several reduction domains (the data-parallel group, each MoE expert-data-
-    parallel group) driven as one: a parameter goes to the reducer of its domain."""
+    """The reducers of several reduction domains (the data-parallel group, each group a plugin
+    averages parameters in) driven as one: a parameter goes to the reducer of its domain."""
 
     def __init__(self, reducers: List[GradientReducer]):
         self.reducers = reducers

@@ -27,7 +27,7 @@ import torch
 from dsplug.contracts import ZeroStage
 
 from . import deepspeed_format as dsf
-from .buckets import GradientBuckets, expert_domains
+from .buckets import GradientBuckets, reduction_domains
 from .gradients import unscale_check_clip
 
 
@@ -69,23 +69,26 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.accum_dtype = accum
         self.accumulators: Dict[torch.nn.Parameter, torch.Tensor] = {}
         comm_dtype = _comm_dtype(kernel_config, accum)
+        #: the parameters by where their gradients are averaged (``context.reduction_of``; key None:
+        #: the data-parallel group): {key: (reduction, params)}
+        self.domains = reduction_domains(self.params, context.reduction_of)
         self.buckets = BucketSets([GradientBuckets(
-            params, bucket_elements=_bucket_elements(zero_config), comm=self.comm, world_size=self.world_size,
+            params, bucket_elements=_bucket_elements(zero_config), comm=reduction.comm, world_size=reduction.divisor,
             dtype=comm_dtype, prescale=kernel_config.prescale_gradients,
             predivide=kernel_config.gradient_predivide_factor, grad_of=self._grad_of, set_grad=self._set_grad,
-            group=None if name is None else _expert_data_parallel_group(name),
-        ) for name, params in expert_domains(self.params).items()]) if self.world_size > 1 else None
+        ) for reduction, params in self.domains.values()]) if self.world_size > 1 else None
         self._boundary = True
         self._local_grads = False  # this step's optimizer averages over the ranks itself
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.last_grad_norm: Optional[float] = None
-        #: MoE expert parameters present: the optimizer state differs between ranks
-        self.holds_experts = any(name is not None for name in expert_domains(self.params))
-        if self.holds_experts and self.world_size > 1 and callable(getattr(self.optimizer, "communicates_gradients",
-                                                                           None)):
+        #: parameters averaged outside the data-parallel group: their values and optimizer state differ between ranks
+        self.varies_by_rank = any(key is not None for key in self.domains)
+        if self.varies_by_rank and self.world_size > 1 and callable(getattr(self.optimizer, "communicates_gradients",
+                                                                            None)):
+            what = next(r.what for key, (r, _) in self.domains.items() if key is not None)
             raise ValueError(f"optimizer {type(self.optimizer).__name__} averages its own (compressed) gradients over "
-                             "the data-parallel group, which would mix different MoE experts; train MoE models with "
-                             "an optimizer that leaves the reduction to the ZeRO stage (e.g. Adam, AdamW)")
+                             f"the data-parallel group, which would mix the {what} that differ between ranks; train "
+                             "with an optimizer that leaves the reduction to the ZeRO stage (e.g. Adam, AdamW)")
 
     # ------------------------------------------------------------------ backward
     def _needs_accumulator(self, p) -> bool:
@@ -129,7 +132,7 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         grads = self._master_grads()
         # the norm costs a pass over every gradient: only when clipping or overflow checks need it
         norm = self._agreed_local_norm if self._local_grads else \
-            self._norm_over_experts if self.holds_experts else _global_norm
+            self._norm_over_shards if self.varies_by_rank else _global_norm
         self._local_grads = False
         apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, norm, norm_always=False)
         if not apply:
@@ -142,22 +145,23 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.zero_grad()
         return True
 
-    def _norm_over_experts(self, grads: List[torch.Tensor]) -> float:
-        """The global norm with MoE experts: the dense gradients are the same on every rank after
-        the reduction, each rank's expert gradients are its own experts' -- their squares are
-        summed over the expert-parallel group (which holds every expert once). Every rank then
-        clips and checks overflow with the same value."""
-        from dsplug.utils import groups
-
-        by_group: Dict[Optional[str], List[torch.Tensor]] = {}
+    def _norm_over_shards(self, grads: List[torch.Tensor]) -> float:
+        """The global norm with parameters whose values differ between ranks: the gradients
+        reduced over the data-parallel group are the same on every rank after the reduction; the
+        others are this rank's own -- their squares are summed over their reduction's
+        ``shard_comm`` (which holds each value once). Every rank then clips and checks overflow
+        with the same value."""
+        key_of = {p: key for key, (_r, params) in self.domains.items() for p in params}
+        by_key: Dict[Optional[str], List[torch.Tensor]] = {}
         for p, g in zip(self.params, grads):
-            by_group.setdefault(None if getattr(p, "allreduce", True) else p.group_name, []).append(g)
-        total = _global_norm(by_group.pop(None, [])) ** 2
-        for name in sorted(by_group):
-            square = torch.tensor([_global_norm(by_group[name]) ** 2], dtype=torch.float64,
-                                  device=by_group[name][0].device)  # NCCL reduces device tensors only
-            if groups._get_expert_parallel_world_size(name) > 1:
-                self.comm.all_reduce(square, group=groups._get_expert_parallel_group(name))
+            by_key.setdefault(key_of[p], []).append(g)
+        total = _global_norm(by_key.pop(None, [])) ** 2
+        for key in sorted(by_key):
+            square = torch.tensor([_global_norm(by_key[key]) ** 2], dtype=torch.float64,
+                                  device=by_key[key][0].device)  # NCCL reduces device tensors only
+            shards = self.domains[key][0].shard_comm
+            if shards is not None and shards.get_world_size() > 1:
+                shards.all_reduce(square)
             total += float(square)
         return math.sqrt(total) if math.isfinite(total) else total
 
@@ -203,9 +207,9 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     # ------------------------------------------------------------------ checkpoint hooks
     def _ds_rank_state(self) -> dict:
-        if self.holds_experts:  # ranks differ (their experts): each rank's file holds its own state and experts
-            return {"zero_stage": 0, **self.state_dict(), "expert_params": [p.detach() for p in self._experts()],
-                    "expert_layout": self._expert_layout()}
+        if self.varies_by_rank:  # ranks differ: each rank's file holds its own state and own parameter values
+            return {"zero_stage": 0, **self.state_dict(), "rank_params": [p.detach() for p in self._rank_params()],
+                    "rank_layout": self._rank_layout()}
         return {"zero_stage": 0, "optimizer_in_model_file": True}
 
     def _ds_rank_keys(self, engine, state, options) -> dict:
@@ -233,23 +237,24 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
                 "consolidate it with `dsplug zero-to-fp32`)")
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
-        experts = state.get("expert_params")
-        # the shared file holds rank 0's experts only: this rank's come from its file -- when the
-        # layout is this run's (another layout is the MoE plugin's to map, from its expert files)
-        same_layout = not self.holds_experts or state.get("expert_layout") == self._expert_layout()
-        if experts is not None and self.holds_experts and same_layout:
+        own = state.get("rank_params")
+        # the shared file holds rank 0's values only: this rank's come from its file -- when the
+        # layout is this run's (another layout is the plugin's to map, from files of its own)
+        same_layout = not self.varies_by_rank or state.get("rank_layout") == self._rank_layout()
+        if own is not None and self.varies_by_rank and same_layout:
             with torch.no_grad():
-                for p, value in zip(self._experts(), experts):
+                for p, value in zip(self._rank_params(), own):
                     p.copy_(value)
         if self.master:
             saved = state.get("master_weights")
+            own_params = set(self._rank_params())
             with torch.no_grad():
                 for p in self.params:
                     self.master[p].copy_(p.detach().float())
                 if saved is not None:
                     for p, w in zip(self.params, saved):
-                        if same_layout or getattr(p, "allreduce", True):  # another layout: experts keep
-                            self.master[p].copy_(w)  # the values the MoE plugin loaded into them
+                        if same_layout or p not in own_params:  # another layout: the rank's own keep
+                            self.master[p].copy_(w)  # the values their plugin loaded into them
 
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes this rank holds now: every parameter, gradient (and accumulator), fp32 master and
@@ -267,18 +272,17 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         return {"parameters": params, "gradients": grads, "optimizer_states": optim, "buffers": buffers,
                 "total": params + grads + optim}
 
-    def _experts(self) -> List[torch.nn.Parameter]:
-        return [p for p in self.params if not getattr(p, "allreduce", True)]
+    def _rank_params(self) -> List[torch.nn.Parameter]:
+        """The parameters averaged outside the data-parallel group (their values differ between ranks)."""
+        return [p for key, (_r, params) in self.domains.items() if key is not None for p in params]
 
-    def _expert_layout(self) -> dict:
-        """What decides which experts a rank holds: the world and each expert tensor's group and shape."""
-        from dsplug.utils import groups
-
-        names = sorted({p.group_name for p in self._experts()})
+    def _rank_layout(self) -> dict:
+        """What decides which values a rank holds: the world, each such tensor's group and shape,
+        and this rank's place among the ranks holding different values (``Reduction.placement``)."""
+        key_of = {p: key for key, (_r, params) in self.domains.items() for p in params}
         return {"world_size": self.world_size,
-                "experts": [(p.group_name, tuple(p.shape)) for p in self._experts()],
-                "expert_parallel": {n: (groups._get_expert_parallel_rank(n), groups._get_expert_parallel_ranks(n))
-                                    for n in names}}
+                "params": [(key_of[p], tuple(p.shape)) for p in self._rank_params()],
+                "placement": {key: r.placement for key, (r, _p) in self.domains.items() if key is not None}}
 
     def module_state_dict(self) -> dict:
         """The full module state (every rank holds it whole at stage 0)."""
@@ -350,7 +354,7 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
 
 
 class BucketSets:
-    """The bucket sets of the reduction domains (dense, then each expert group) driven as one."""
+    """The bucket sets of the reduction domains (the data-parallel group, then each other) driven as one."""
 
     def __init__(self, sets: List[GradientBuckets]):
         self.sets = sets
@@ -366,12 +370,6 @@ class BucketSets:
     def finish_round(self) -> None:
         for s in self.sets:
             s.finish_round()
-
-
-def _expert_data_parallel_group(name: str):
-    from dsplug.utils import groups
-
-    return groups._get_expert_data_parallel_group(name)
 
 
 def _communicates_gradients(optimizer) -> bool:

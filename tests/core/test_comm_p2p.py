@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsplug.comm as comm
+from dsplug import hookimpl
 from dsplug.plugins.comms_logger.logger import bus_factor
 from dsplug.plugins.comms_logger.config import DEEPSPEED_OPS
 
@@ -18,13 +19,12 @@ WORLD = 3
 
 
 class _Recorder:
-    wants_details = True
-
     def __init__(self):
         self.calls = []
 
-    def record(self, op, nbytes, latency_s, world, async_op=False, caller=None):
-        self.calls.append((op, nbytes, world, async_op))
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes, world_size, async_op):
+        self.calls.append((op, nbytes, world_size, async_op))
 
 
 def _input(rank: int, splits, cols: int = 3) -> torch.Tensor:
@@ -77,7 +77,7 @@ def _p2p_run():
     comm.init_distributed(verbose=False)
     rank, world = comm.get_rank(), comm.get_world_size()
     recorder = _Recorder()
-    comm.add_listener(recorder)
+    comm.events.register(recorder)
     out = {}
     pair = comm.new_group([1, 2])  # every rank creates it; group rank r is global rank r + 1
 
@@ -117,7 +117,7 @@ def _p2p_run():
         out["sender"] = comm.recv(got, src=0, tag=7)
         comm.send(got * 2, dst=0, tag=8)
     out["p2p_op_calls"] = list(recorder.calls)
-    comm.remove_listener(recorder)
+    comm.events.unregister(recorder)
     comm.barrier()
     return out
 
@@ -225,12 +225,13 @@ def _reduce_scatter_run():
     world, rank = comm.get_world_size(), comm.get_rank()
     seen = []
 
-    class Listener:
-        @staticmethod
-        def record(op, nbytes, latency_s, world_size):
+    class Seen:
+        @hookimpl
+        def dsplug_comm_op(self, op, nbytes):
             seen.append((op, nbytes))
 
-    comm.add_listener(Listener)
+    watcher = Seen()
+    comm.events.register(watcher)
     out = {}
     try:
         for dtype in (torch.float32, torch.bfloat16):
@@ -249,7 +250,7 @@ def _reduce_scatter_run():
         comm.reduce_scatter_tensor(top, peak, op=comm.ReduceOp.MAX)  # not a sum: all-reduce fallback
         out["max"] = top
     finally:
-        comm.remove_listener(Listener)
+        comm.events.unregister(watcher)
     return rank, world, out, seen
 
 

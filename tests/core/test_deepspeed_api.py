@@ -726,7 +726,8 @@ class Gathers:
     def __init__(self):
         self.ops = []
 
-    def record(self, op, nbytes, latency, world):
+    @dsplug.hookimpl
+    def dsplug_comm_op(self, op):
         self.ops.append(op)
 
 
@@ -741,12 +742,12 @@ def _gathers_in_forward(leaf: bool) -> int:
         assert not z3_leaf_parameter(model.inp.weight)
     engine = build(cfg(3, stage3_prefetch_bucket_size=0), model=model)
     listener = Gathers()
-    comm.add_listener(listener)
+    comm.events.register(listener)
     try:
         with torch.no_grad():
             engine(batch(0, 0, 0, 4)[0])
     finally:
-        comm.remove_listener(listener)
+        comm.events.unregister(listener)
     engine.destroy()
     return listener.ops.count("all_gather")
 

@@ -39,7 +39,7 @@ from dsplug.contracts import ZeroStage
 from dsplug.logging import log_rank0
 
 from .. import deepspeed_format as dsf
-from ..buckets import refuse_expert_parameters
+from ..buckets import refuse_other_reductions
 from ..gradients import unscale_check_clip
 from ..stage0 import _comm_dtype
 from ..zeropp import build_zeropp, secondary_tensors
@@ -170,7 +170,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
                  context):
-        refuse_expert_parameters(param_groups, 3)
+        refuse_other_reductions(param_groups, context.reduction_of, 3)
         kernel = context.config.kernel
         self.module = module
         self.precision = precision

@@ -100,13 +100,13 @@ def test_prof_ops_filter_and_debug_labels():
 # --------------------------------------------------------------------------- the observer
 class _FakeComm:
     def __init__(self):
-        self.listeners = []
+        from dsplug.comm.hooks import CommEvents
 
-    def add_listener(self, listener):
-        self.listeners.append(listener)
+        self.events = CommEvents()
 
-    def remove_listener(self, listener):
-        self.listeners.remove(listener)
+    @property
+    def logs(self):
+        return [hooks.log for hooks in self.events.get_plugins()]
 
 
 class _Context:
@@ -114,16 +114,27 @@ class _Context:
         self.rank, self.comm = 0, _FakeComm()
 
 
-def test_factory_adds_the_listener_and_engine_close_removes_it():
+def test_factory_registers_the_comm_hooks_and_engine_close_removes_them():
     context = _Context()
     assert build_observer({"verbose": True}, context) is None  # enabled defaults to false
-    assert build_observer(None, context) is None and context.comm.listeners == []
+    assert build_observer(None, context) is None and context.comm.logs == []
     observer = build_observer({"enabled": True, "prof_all": False, "prof_ops": ["reduce_scatter_tensor"]}, context)
     assert isinstance(observer, CommsLoggerObserver)
-    listener, = context.comm.listeners
-    assert listener.ops == {"reduce_scatter"} and not listener.verbose and not listener.wants_caller
+    log, = context.comm.logs
+    assert log.ops == {"reduce_scatter"} and not log.verbose and not log.debug
+    assert context.comm.events.watching and not context.comm.events.wants_caller  # no caller look-up
     observer.dsplug_engine_closed(engine=None)
-    assert context.comm.listeners == []
+    assert context.comm.logs == [] and not context.comm.events.watching
+
+
+def test_debug_takes_the_caller_and_records_what_the_hook_reports():
+    context = _Context()
+    observer = build_observer({"enabled": True, "debug": True}, context)
+    assert context.comm.events.wants_caller
+    context.comm.events.hook.dsplug_comm_op(op="broadcast", nbytes=8, latency_s=0.001, world_size=2, async_op=True,
+                                            caller="f")
+    assert [(r["label"], r["async_count"]) for r in observer.log.rows()] == [("broadcast | [Caller Func: f]", 1)]
+    assert context.comm.events.hook.dsplug_comm_summary(show_straggler=False) == [observer.log.summary_text()]
 
 
 def test_factory_warns_about_prof_ops_that_cannot_take_effect(caplog):
@@ -150,7 +161,7 @@ def _engine(comms_logger: dict):
     engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=lambda g: torch.optim.SGD(g, lr=0.1),
                                         config=config)
     observer, = [o for o in engine.observers if isinstance(o, CommsLoggerObserver)]
-    return engine, observer.listener
+    return engine, observer.log
 
 
 def _train(engine, steps):
@@ -207,7 +218,7 @@ def _logged_run():
     out["printed"] = summary.getvalue()
     out["summary"] = listener.summary_text()
     engine.destroy()
-    out["listeners_after_close"] = len(comm._listeners)
+    out["listeners_after_close"] = len(comm.events.hook.dsplug_comm_op.get_hookimpls())
 
     engine, listener = _engine({"prof_all": False, "prof_ops": ["all_reduce", "all_gather_into_tensor"],
                                 "debug": True})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsplug import hookimpl
 from tests.dist_harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -43,7 +44,8 @@ class Bytes:
     def __init__(self):
         self.ops = []
 
-    def record(self, op, nbytes, latency_s, world_size):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes):
         self.ops.append((op, int(nbytes)))
 
 
@@ -70,14 +72,14 @@ def _layer_equivalence():
         targets = [torch.randn(3, 6, D, generator=g) for _ in range(2)]
 
         counter = Bytes()
-        comm.add_listener(counter)
+        comm.events.register(counter)
         try:
             out, l_aux, counts = ep(xs[rank])
             l_aux, out_value = l_aux.detach(), out.detach()
             loss = ((out - targets[rank]) ** 2).sum()
             loss.backward()
         finally:
-            comm.remove_listener(counter)
+            comm.events.unregister(counter)
 
         # the reference, in this process alone: rank r's tokens through the ep_size-1 layer
         ref_outs = [ref.deepspeed_moe(x) for x in xs]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from dsplug import hookimpl
 from dsplug.plugins.comms_logger.logger import bus_factor
 from dsplug.plugins.onebit.compressed import CompressedAllReduce, pack_signs, padded_numel, unpack_signs
 
@@ -177,7 +178,8 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def record(self, op, nbytes, latency_s, world):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes):
         self.calls.append((op, nbytes))
 
 
@@ -215,7 +217,7 @@ def _compressed_run():
 
     # the bytes of one call on a 1M-element buffer, and of an all-reduce of the same buffer
     recorder = _Recorder()
-    comm.add_listener(recorder)
+    comm.events.register(recorder)
     big = torch.randn(BIG, generator=torch.Generator().manual_seed(rank))
     reduce(big, torch.zeros(BIG), torch.zeros(BIG // world))
     out["compressed_calls"] = list(recorder.calls)
@@ -225,7 +227,7 @@ def _compressed_run():
     recorder.calls.clear()
     comm.all_reduce(torch.randn(BIG))
     out["all_reduce_calls"] = list(recorder.calls)
-    comm.remove_listener(recorder)
+    comm.events.unregister(recorder)
     return out
 
 

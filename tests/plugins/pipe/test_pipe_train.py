@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from dsplug import hookimpl
+
 from tests.dist_harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -91,12 +93,13 @@ def config(gas, zero_stage=0, **extra):
 
 
 class Recorder:
-    """A comm listener: the ops and bytes this rank sends / receives point-to-point."""
+    """A ``dsplug_comm_op`` hook: the ops and bytes this rank sends / receives point-to-point."""
 
     def __init__(self):
         self.ops = []
 
-    def record(self, op, nbytes, latency_s, world_size):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes):
         self.ops.append((op, int(nbytes)))
 
 
@@ -117,11 +120,11 @@ def _train(num_stages, zero_stage, steps, gas, save_dir=None):
     dp, replica = grid.get_data_parallel_world_size(), grid.get_data_parallel_id()
     data = batches(steps, gas, dp)
     recorder = Recorder()
-    comm.add_listener(recorder)
+    comm.events.register(recorder)
     losses = []
     for step in data:
         losses.append(float(engine.train_batch(iter([micro[replica] for micro in step]))))
-    comm.remove_listener(recorder)
+    comm.events.unregister(recorder)
     layers = _layer_states(model)
     tied = model.tied_modules["embed"].weight.detach().clone()
     eval_loss = float(engine.eval_batch(iter([micro[replica] for micro in data[0]])))

@@ -159,14 +159,15 @@ def knob_model():
 
 
 class EventLog:
-    """Collectives (via the comm listener) and gradient-hook events, on one clock."""
+    """Collectives (via the ``dsplug_comm_op`` hook) and gradient-hook events, on one clock."""
 
     def __init__(self):
         self.events = []
 
-    def record(self, op, nbytes, latency, world):
+    @dsplug.hookimpl
+    def dsplug_comm_op(self, op, nbytes, latency_s):
         now = time.perf_counter()
-        self.events.append(("comm", op, nbytes, now - latency, now, None))
+        self.events.append(("comm", op, nbytes, now - latency_s, now, None))
 
     def mark(self, kind, info=None):
         self.events.append((kind, info, time.perf_counter()))
@@ -193,7 +194,7 @@ def _knob_run(zero, gas=1, steps=2, precision=None, kernel=None):
     for p in engine.module.parameters():
         p.register_post_accumulate_grad_hook(lambda p: log.mark("grad", (names[p], p.grad is None)))
     memory = []
-    comm.add_listener(log)
+    comm.events.register(log)
     comm.reduce = reduce
     try:
         for step in range(steps):
@@ -208,7 +209,7 @@ def _knob_run(zero, gas=1, steps=2, precision=None, kernel=None):
                 log.mark("step_end", (step, m))
             memory.append(engine.model_state_memory())
     finally:
-        comm.remove_listener(log)
+        comm.events.unregister(log)
         comm.reduce = original_reduce
     state = engine.stage.state_dict()
     return {"events": log.events, "dst": destinations, "memory": memory,

@@ -2,7 +2,7 @@
 gathered and released the way its documentation says, zero.Init / GatheredParameters / external
 parameters, and the partitioned checkpoint format helpers.
 
-Gathers and reductions are counted through the comm layer (``dsplug.comm.add_listener``); one
+Gathers and reductions are counted through the comm layer (a ``dsplug_comm_op`` hook on ``dsplug.comm.events``); one
 process still runs every collective (a world of one), so fetch / release behaviour is the same
 as with more ranks. Multi-process runs are in test_zero3_dist.py.
 """
@@ -16,6 +16,7 @@ import torch
 
 import dsplug
 from dsplug import comm
+from dsplug import hookimpl
 from dsplug.zero import GatheredParameters, ZeroParamStatus
 
 from tests.engine_common import HIDDEN, IN, OUT, batch, loss_fn, reference_run
@@ -96,7 +97,8 @@ class Collectives:
     def __init__(self):
         self.ops = []
 
-    def record(self, op, nbytes, latency, world):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes):
         self.ops.append((op, nbytes))
 
     def count(self, op):
@@ -104,11 +106,11 @@ class Collectives:
 
     def __enter__(self):
         self.ops = []
-        comm.add_listener(self)
+        comm.events.register(self)
         return self
 
     def __exit__(self, *exc):
-        comm.remove_listener(self)
+        comm.events.unregister(self)
         return False
 
 

@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from dsplug import hookimpl
+
 from tests.dist_harness import run_distributed
 from tests.engine_common import IN, OUT
 
@@ -40,7 +42,8 @@ class _Bytes:
     def __init__(self):
         self.by_op = {}
 
-    def record(self, op, nbytes, latency, world):
+    @hookimpl
+    def dsplug_comm_op(self, op, nbytes):
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
 
@@ -71,13 +74,13 @@ def _one_step_bytes(engine, step):
     from tests.plugins.zero.test_zero3 import local_batch
 
     listener = _Bytes()
-    comm.add_listener(listener)
+    comm.events.register(listener)
     try:
         x, y = local_batch(step, 0, comm.get_rank(), WORLD)
         engine.backward(loss_fn(engine(x), y))
         engine.step()
     finally:
-        comm.remove_listener(listener)
+        comm.events.unregister(listener)
     return listener.by_op
 
 
