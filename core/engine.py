@@ -110,7 +110,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     def before_zero_stage(self, model) -> None:
         """Called once by ``__init__``, after the precision, the compression methods and the model's
         placement on its device (``self.config``, ``self.context``, ``self.precision``,
-        ``self.module``, ``self.expert_groups`` are set) and before the ZeRO stage -- and with it the
+        ``self.module``, ``self.reduction_groups`` are set) and before the ZeRO stage -- and with it the
         optimizer -- is built. Raise to refuse a combination the subclass cannot train (the
         pipeline engine refuses ZeRO stages 2 and 3 here); the error reaches the caller of
         ``initialize``. The base engine does nothing."""
