@@ -107,15 +107,37 @@ class CliCommand:
     description: Optional[str] = None
 
 
+def _api_path_ok(_instance, attribute, value):
+    parts = value.split(".") if isinstance(value, str) else []
+    if len(parts) < 2 or parts[0] != "dsplug" or parts[1] in ("plugins", "csrc") or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"ApiModule.path must be a dotted import path below dsplug (not dsplug.plugins or "
+                         f"dsplug.csrc), such as 'dsplug.ops.lion'; got {value!r}")
+
+
+def _module_name_ok(_instance, attribute, value):
+    if not isinstance(value, str) or not value or not all(p.isidentifier() for p in value.split(".")):
+        raise ValueError(f"ApiModule.{attribute.name} must be a dotted module name, got {value!r}")
+
+
 @attrs.frozen
 class ApiModule:
-    """A public import path (``dsplug.zero``) whose names a plugin module provides (hook
-    ``dsplug_api_modules``). The kernel keeps a thin module at ``path`` that forwards attribute
-    access to ``target`` on first use, so blocking the plugin makes the path say who is missing.
+    """A DeepSpeed import path (``dsplug.zero``; ``deepspeed.zero`` with the alias) whose names a
+    plugin module provides (hook ``dsplug_api_modules``).
+
+    path:   the import path, below ``dsplug``. Its parents become packages (``dsplug.runtime.pipe``
+            for ``dsplug.runtime.pipe.engine``); no kernel file is needed at any of them.
+    target: the plugin's module whose names are served at ``path``; imported when ``path`` is.
+
+    Served by the import finder of :mod:`dsplug.api_paths`: ``import dsplug.zero`` gives a module
+    named ``dsplug.zero`` whose attributes are the target's (the same objects); a blocked plugin's
+    paths do not resolve and the ImportError names the blocked plugins. Where the kernel has a
+    module at ``path`` (``dsplug.ops.adam``) its own names win and the target adds the others.
+    Several plugins may declare one path: a name comes from the first that has it (dsplug's own
+    plugins first).
     """
 
-    path: str
-    target: str
+    path: str = attrs.field(validator=_api_path_ok)
+    target: str = attrs.field(validator=_module_name_ok)
 
 
 @attrs.frozen
