@@ -150,6 +150,9 @@ class ApiPathFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             raise error
         if kernel is not None:
             return kernel  # a namespace package of the kernel's
+        why = reg.blocked_api_paths.get(fullname)
+        if why is not None:
+            raise ApiPathError(f"No module named {fullname!r}: {why}. Unblock it to import this path.", name=fullname)
         if reg.skipped:
             blocked = "; ".join(what for what, _why in reg.skipped)
             raise ApiPathError(f"No module named {fullname!r}: no loaded plugin declares this import path "

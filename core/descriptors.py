@@ -6,7 +6,7 @@ spec whose ``name`` matches the config's value and calls its ``factory``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import attrs
 
@@ -69,6 +69,12 @@ class PluginSpec:
     priority: accelerators: among the available ones, the highest priority is picked.
     states_per_param: optimizers: fp32 values of state kept per parameter (Adam: 2), for memory
               estimates.
+    deepspeed_config: ``deepspeed_config(config) -> {attribute: value}``: the attributes of
+              DeepSpeed's ``DeepSpeedConfig`` this plugin answers (``pld_enabled``,
+              ``pld_params``), from the :class:`dsplug.DsplugConfig` ``config`` -- whether or
+              not the config has the plugin's section, so give DeepSpeed's values for an absent
+              one too. ``dsplug.runtime.config.DeepSpeedConfig`` sets them; the kernel answers
+              only its own keys.
     """
 
     category: str = attrs.field(validator=attrs.validators.in_(CATEGORIES))
@@ -84,6 +90,7 @@ class PluginSpec:
     default: bool = False
     priority: int = 0
     states_per_param: Optional[int] = None
+    deepspeed_config: Optional[Callable[[Any], Dict[str, Any]]] = None
 
     def names(self) -> Tuple[str, ...]:
         return (self.name,) + self.aliases

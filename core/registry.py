@@ -176,6 +176,7 @@ class Registry:
         self._by_category = {c: {} for c in CATEGORIES}
         self._all = []
         self.conflicts: Dict[Tuple[str, str], str] = {}
+        specs_of: Dict[Tuple[str, str, str], List[Tuple[str, bool]]] = {}  # origin -> (spec, blocked)
         for category, hook_name in CATEGORY_HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
             # dsplug's own plugins first, then registration order: on a conflict the first claim stays
@@ -189,7 +190,11 @@ class Registry:
                     self._broken(origin[2], origin[0], exc)
                     continue
                 for spec in specs:
-                    self._add(category, spec, origin)
+                    blocked = self._add(category, spec, origin)
+                    specs_of.setdefault(origin, []).append((f"{category}:{spec.name}", blocked))
+        #: origin -> its specs, for plugins whose every spec is blocked (their import paths are too)
+        self._blocked_plugins = {origin: [name for name, _ in specs] for origin, specs in specs_of.items()
+                                 if all(blocked for _, blocked in specs)}
 
     @staticmethod
     def _check_spec(category: str, hook_name: str, spec, origin) -> None:
@@ -205,13 +210,14 @@ class Registry:
                 f"named {spec.name!r} from {hook_name}, which is for category {category!r}"
             )
 
-    def _add(self, category: str, spec: PluginSpec, origin) -> None:
-        """Add one spec. A name (or section) already claimed by another distribution is a conflict:
-        the later claim is skipped and reported, and selecting that name is an error naming both."""
+    def _add(self, category: str, spec: PluginSpec, origin) -> bool:
+        """Add one spec; True when the blocklist skips it. A name (or section) already claimed by
+        another distribution is a conflict: the later claim is skipped and reported, and selecting
+        that name is an error naming both."""
         dist, version, ep = origin
         if self._is_blocked(spec.name, f"{category}:{spec.name}"):
             self.skipped.append((f"{category}:{spec.name} ({dist})", BLOCK_ENV))
-            return
+            return True
         provided = Provided(spec=spec, distribution=dist, version=version, entry_point=ep)
         table = self._by_category[category]
         claims = [(category, _norm(n), f"the {category} name {n!r}", table.get(_norm(n))) for n in spec.names()]
@@ -228,10 +234,11 @@ class Registry:
                            f"{BLOCK_ENV}={ep}")
                 self.conflicts[(kind, key)] = message
                 self._broken(ep, dist, PluginConflictError(message))
-            return
+            return False
         for name in spec.names():
             table[_norm(name)] = provided
         self._all.append(provided)
+        return False
 
     # ---------------------------------------------------------------- queries
     def all(self) -> List[Provided]:
@@ -323,7 +330,13 @@ class Registry:
         if self._api_paths is None:
             table: Dict[str, List[Tuple[ApiModule, Tuple[str, str, str]]]] = {}
             declared = self._service_results("dsplug_api_modules", ApiModule)
+            self.blocked_api_paths: Dict[str, str] = {}  # path -> why, for plugins whose specs are all blocked
             for module, origin in sorted(declared, key=lambda item: item[1][0] != PROJECT):
+                blocked = self._blocked_plugins.get(origin)
+                if blocked is not None:
+                    self.blocked_api_paths[module.path] = (f"its plugin {origin[2]!r} ({origin[0]}) is blocked by "
+                                                           f"{BLOCK_ENV} ({', '.join(blocked)})")
+                    continue
                 table.setdefault(module.path, []).append((module, origin))
             self._api_paths = table
             self._api_packages = {".".join(path.split(".")[:i]) for path in table for i in range(2, path.count(".") + 1)}

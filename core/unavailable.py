@@ -72,6 +72,16 @@ NAMES: Dict[str, str] = {
 }
 
 
+#: ``DeepSpeedConfig`` attributes of DeepSpeed features dsplug lacks, with their "off" values: a
+#: config cannot turn these features on (their sections are refused), so the values are true.
+#: A plugin implementing one answers the attribute itself (``PluginSpec.deepspeed_config``).
+CONFIG_ATTRIBUTES: Dict[str, object] = {
+    "eigenvalue_enabled": False,  # the 'eigenvalue' section
+    "sequence_parallel_size": 1,  # Ulysses sequence parallelism
+    "compile_config": None,  # DeepSpeed's torch.compile integration ('compile' section)
+}
+
+
 def _message(what: str, feature: str) -> str:
     return f"{what} is not available in dsplug: {FEATURES[feature]}"
 
