@@ -12,7 +12,8 @@ no file there. :class:`ApiPathFinder` (first on ``sys.meta_path``, put there by 
 answers every ``dsplug.*`` module that is not a kernel module:
 
 * a declared path becomes a module named after the path whose names are those of the declaring
-  plugin's module (``target``), looked up on each access (no copy goes stale); ``dir()`` lists
+  plugin's module (``target``), looked up on first access (classes, functions and modules are
+  then kept on the module; other values are read live, so none goes stale); ``dir()`` lists
   them, ``inspect.getsource`` shows the target's source, and the objects are the plugin's own
   (``dsplug.moe.MoE is dsplug.plugins.moe.layer.MoE``; pickles refer to the plugin module);
 * each parent of a declared path (``dsplug.runtime.pipe``, ``dsplug.launcher``) is a package;
@@ -81,6 +82,10 @@ def _targets(name: str) -> List[types.ModuleType]:
     return out
 
 
+#: values cached on the module at first access; the others (settings, state) are read live each time
+_DEFINITIONS = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
+
+
 def _public(module) -> List[str]:
     return [n for n in dir(module) if not n.startswith("_")]
 
@@ -95,21 +100,22 @@ def _children(name: str) -> List[str]:
     return sorted({p[len(prefix):] for p in found if p.startswith(prefix) and "." not in p[len(prefix):]})
 
 
-def _lookup(name: str, attr: str, targets: List[types.ModuleType]):
+def _lookup(name: str, attr: str, children, targets: List[types.ModuleType]):
     """``name.attr`` after the module's own names: a child import path first (DeepSpeed's
-    submodules are attributes of their package), then the plugins' names."""
+    submodules are attributes of their package), then the plugins' names. ``children``: the last
+    segments of the child paths."""
     if attr.startswith("__") and attr.endswith("__"):
         raise AttributeError(f"module {name!r} has no attribute {attr!r}")
-    child = f"{name}.{attr}"
-    if child in sys.modules:
-        return sys.modules[child]
-    if _is_api_path(child):
-        return importlib.import_module(child)
+    if attr in children:
+        return importlib.import_module(f"{name}.{attr}")
     for target in targets:
         try:
-            return getattr(target, attr)
+            value = getattr(target, attr)
         except AttributeError:
             continue
+        if isinstance(value, _DEFINITIONS):  # never rebound: later lookups skip this function
+            setattr(sys.modules[name], attr, value)
+        return value
     where = f" (its names come from {', '.join(t.__name__ for t in targets)})" if targets else ""
     reg = _registry()
     if reg is not None and reg.skipped:
@@ -166,12 +172,13 @@ class ApiPathFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         name = module.__name__
         targets = _targets(name)
+        children = frozenset(_children(name))
 
         def __getattr__(attr):
-            return _lookup(name, attr, targets)
+            return _lookup(name, attr, children, targets)
 
         def __dir__():
-            names = set(module.__dict__) | set(_children(name))
+            names = set(module.__dict__) | children
             for target in targets:
                 names.update(_public(target))
             return sorted(n for n in names if not (n.startswith("__") and n.endswith("__")))
@@ -209,6 +216,14 @@ def plugin_names(module_name: str) -> Tuple[Callable[[str], object], Callable[[]
             state["targets"] = found
         return state["targets"]
 
+    def declared_children() -> frozenset:
+        if "children" not in state:
+            found = frozenset(_children(module_name))
+            if _registry() is None:
+                return found
+            state["children"] = found
+        return state["children"]
+
     def kernel_children() -> List[str]:
         if "kernel" not in state:
             package = sys.modules.get(module_name)
@@ -221,7 +236,7 @@ def plugin_names(module_name: str) -> Tuple[Callable[[str], object], Callable[[]
         if attr in kernel_children():
             return importlib.import_module(f"{module_name}.{attr}")
         try:
-            return _lookup(module_name, attr, targets())
+            return _lookup(module_name, attr, declared_children(), targets())
         except ApiPathError as exc:  # keep hasattr() usable: a miss is an AttributeError
             raise AttributeError(str(exc)) from exc
 
@@ -229,7 +244,7 @@ def plugin_names(module_name: str) -> Tuple[Callable[[str], object], Callable[[]
         package = sys.modules[module_name]
         names = {n for n in vars(package) if not (n.startswith("__") and n.endswith("__"))}
         names.update(kernel_children())
-        names.update(_children(module_name))
+        names.update(declared_children())
         for target in targets():
             names.update(_public(target))
         return sorted(names)
