@@ -40,7 +40,7 @@ import importlib.machinery
 import pkgutil
 import sys
 import types
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 PACKAGE = "dsplug"
 #: subpackages the finder never serves (the built-in plugins and the C++ sources)
@@ -61,12 +61,6 @@ def _registry():
 
 def _under(name: str, prefixes) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
-def _is_api_path(name: str) -> bool:
-    """Whether ``name`` is a path or a parent of a path some loaded plugin declares."""
-    reg = _registry()
-    return reg is not None and (name in reg.api_paths() or name in reg.api_packages())
 
 
 def _targets(name: str) -> List[types.ModuleType]:
