@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import api_paths as _api_paths
 from .descriptors import CATEGORIES, PluginSpec
 from .hookspecs import hookimpl, hookspec
 
@@ -29,10 +30,11 @@ _LAZY = {
     "get_registry": ("dsplug.registry", "get_registry"),
     "get_accelerator": ("dsplug.accelerator", "get_accelerator"),
 }
-_SUBMODULES = {"comm", "zero", "ops", "profiling", "checkpoint", "checkpointing", "config", "accelerator", "op_builder",
-               "utils", "contracts", "testing", "runtime", "launcher", "pipe", "autotuning", "elasticity"}
-
 __all__ = ["PluginSpec", "CATEGORIES", "hookimpl", "hookspec", "__version__", *_LAZY]
+
+# DeepSpeed's import paths that plugins provide (dsplug.zero, dsplug.moe ...) are served by one finder
+_api_paths.install()
+_child, _children = _api_paths.plugin_names(__name__)
 
 
 def __getattr__(name):
@@ -41,11 +43,16 @@ def __getattr__(name):
         value = getattr(importlib.import_module(module), attr)
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"dsplug.{name}")
-    from .unavailable import attribute_error  # DeepSpeed names dsplug lacks: a clear ImportError
+    try:
+        return _child(name)  # a submodule: the kernel's or an import path a plugin declares
+    except AttributeError:
+        from .unavailable import attribute_error  # DeepSpeed names dsplug lacks: a clear ImportError
 
-    error = attribute_error(name)
-    if error is not None:
-        raise error
-    raise AttributeError(f"module 'dsplug' has no attribute {name!r}")
+        error = attribute_error(name)
+        if error is not None:
+            raise error from None
+        raise
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_children()))

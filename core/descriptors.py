@@ -6,7 +6,7 @@ spec whose ``name`` matches the config's value and calls its ``factory``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import attrs
 
@@ -69,6 +69,12 @@ class PluginSpec:
     priority: accelerators: among the available ones, the highest priority is picked.
     states_per_param: optimizers: fp32 values of state kept per parameter (Adam: 2), for memory
               estimates.
+    deepspeed_config: ``deepspeed_config(config) -> {attribute: value}``: the attributes of
+              DeepSpeed's ``DeepSpeedConfig`` this plugin answers (``pld_enabled``,
+              ``pld_params``), from the :class:`dsplug.DsplugConfig` ``config`` -- whether or
+              not the config has the plugin's section, so give DeepSpeed's values for an absent
+              one too. ``dsplug.runtime.config.DeepSpeedConfig`` sets them; the kernel answers
+              only its own keys.
     """
 
     category: str = attrs.field(validator=attrs.validators.in_(CATEGORIES))
@@ -84,6 +90,7 @@ class PluginSpec:
     default: bool = False
     priority: int = 0
     states_per_param: Optional[int] = None
+    deepspeed_config: Optional[Callable[[Any], Dict[str, Any]]] = None
 
     def names(self) -> Tuple[str, ...]:
         return (self.name,) + self.aliases
@@ -107,15 +114,37 @@ class CliCommand:
     description: Optional[str] = None
 
 
+def _api_path_ok(_instance, attribute, value):
+    parts = value.split(".") if isinstance(value, str) else []
+    if len(parts) < 2 or parts[0] != "dsplug" or parts[1] in ("plugins", "csrc") or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"ApiModule.path must be a dotted import path below dsplug (not dsplug.plugins or "
+                         f"dsplug.csrc), such as 'dsplug.ops.lion'; got {value!r}")
+
+
+def _module_name_ok(_instance, attribute, value):
+    if not isinstance(value, str) or not value or not all(p.isidentifier() for p in value.split(".")):
+        raise ValueError(f"ApiModule.{attribute.name} must be a dotted module name, got {value!r}")
+
+
 @attrs.frozen
 class ApiModule:
-    """A public import path (``dsplug.zero``) whose names a plugin module provides (hook
-    ``dsplug_api_modules``). The kernel keeps a thin module at ``path`` that forwards attribute
-    access to ``target`` on first use, so blocking the plugin makes the path say who is missing.
+    """A DeepSpeed import path (``dsplug.zero``; ``deepspeed.zero`` with the alias) whose names a
+    plugin module provides (hook ``dsplug_api_modules``).
+
+    path:   the import path, below ``dsplug``. Its parents become packages (``dsplug.runtime.pipe``
+            for ``dsplug.runtime.pipe.engine``); no kernel file is needed at any of them.
+    target: the plugin's module whose names are served at ``path``; imported when ``path`` is.
+
+    Served by the import finder of :mod:`dsplug.api_paths`: ``import dsplug.zero`` gives a module
+    named ``dsplug.zero`` whose attributes are the target's (the same objects); a blocked plugin's
+    paths do not resolve and the ImportError names the blocked plugins. Where the kernel has a
+    module at ``path`` (``dsplug.ops.adam``) its own names win and the target adds the others.
+    Several plugins may declare one path: a name comes from the first that has it (dsplug's own
+    plugins first).
     """
 
-    path: str
-    target: str
+    path: str = attrs.field(validator=_api_path_ok)
+    target: str = attrs.field(validator=_module_name_ok)
 
 
 @attrs.frozen

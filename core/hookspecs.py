@@ -171,9 +171,16 @@ class ServiceSpecs:
     def dsplug_api_modules(self):
         """DeepSpeed import paths this plugin provides: a list of :class:`dsplug.descriptors.ApiModule`.
 
-        ``ApiModule("dsplug.zero", "my_pkg.zero_api")``: ``dsplug.zero.Init`` resolves to
-        ``my_pkg.zero_api.Init`` on first use. The kernel must hold a forwarding module at ``path``
-        (see :func:`dsplug.public.forward_to_plugin`).
+        ``ApiModule("dsplug.zero", "my_pkg.zero_api")``: ``import dsplug.zero`` (``deepspeed.zero``
+        with the alias) gives a module whose names are those of ``my_pkg.zero_api``, so
+        ``dsplug.zero.Init is my_pkg.zero_api.Init``. Any path below ``dsplug`` works, new ones
+        included: the kernel holds no file for it, the import finder of :mod:`dsplug.api_paths`
+        serves it and makes its parents packages. Where the kernel has a module at ``path``, the
+        kernel's names win and the plugin's add to them (if that module ends with
+        ``plugin_names(__name__)``: ``dsplug``, ``dsplug.runtime``, ``dsplug.ops``,
+        ``dsplug.ops.adam``, ``dsplug.ops.lion``, ``dsplug.utils``). Called when a path that is not
+        a kernel module is first imported; keep it cheap (the target is imported only when its path
+        is). The paths of a blocked plugin do not resolve and the ImportError says so.
         """
 
     @hookspec(firstresult=True)

@@ -14,7 +14,7 @@ import difflib
 import os
 import sys
 import warnings
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import pluggy
 
@@ -71,10 +71,29 @@ def blocked_from_env(environ=None) -> Tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
 
+_DISCOVERING = 0  # Registry objects being built: their plugin modules are being imported
+
+
+def discovering() -> bool:
+    """Whether plugin modules are being imported by a registry being built (the import finder of
+    :mod:`dsplug.api_paths` cannot consult the registry then)."""
+    return _DISCOVERING > 0
+
+
 class Registry:
     """The set of installed plugins, as pluggy sees them."""
 
+    block_env = BLOCK_ENV
+
     def __init__(self, blocked: Optional[Iterable[str]] = None, entry_points=None):
+        global _DISCOVERING
+        _DISCOVERING += 1
+        try:
+            self._discover(blocked, entry_points)
+        finally:
+            _DISCOVERING -= 1
+
+    def _discover(self, blocked, entry_points) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(CategorySpecs)
         self.pm.add_hookspecs(ServiceSpecs)
@@ -87,7 +106,8 @@ class Registry:
         self._origin: Dict[int, Tuple[str, str, str]] = {}  # id(plugin) -> (dist, version, ep)
         self._by_category: Dict[str, Dict[str, Provided]] = {c: {} for c in CATEGORIES}
         self._all: List[Provided] = []
-        self._api_modules: Optional[Dict[str, Tuple[ApiModule, Tuple[str, str, str]]]] = None
+        self._api_paths: Optional[Dict[str, List[Tuple[ApiModule, Tuple[str, str, str]]]]] = None
+        self._api_packages: Set[str] = set()
         self._load(_dsplug_entry_points() if entry_points is None else entry_points)
         self._collect()
 
@@ -151,13 +171,14 @@ class Registry:
         """Register a plugin object directly (tests, notebooks) and re-collect specs."""
         self.pm.register(plugin, name=f"{distribution}:{getattr(plugin, '__name__', id(plugin))}")
         self._origin[id(plugin)] = (distribution, version, getattr(plugin, "__name__", "?"))
-        self._api_modules = None
+        self._api_paths = None
         self._collect()
 
     def _collect(self) -> None:
         self._by_category = {c: {} for c in CATEGORIES}
         self._all = []
         self.conflicts: Dict[Tuple[str, str], str] = {}
+        specs_of: Dict[Tuple[str, str, str], List[Tuple[str, bool]]] = {}  # origin -> (spec, blocked)
         for category, hook_name in CATEGORY_HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
             # dsplug's own plugins first, then registration order: on a conflict the first claim stays
@@ -171,7 +192,11 @@ class Registry:
                     self._broken(origin[2], origin[0], exc)
                     continue
                 for spec in specs:
-                    self._add(category, spec, origin)
+                    blocked = self._add(category, spec, origin)
+                    specs_of.setdefault(origin, []).append((f"{category}:{spec.name}", blocked))
+        #: origin -> its specs, for plugins whose every spec is blocked (their import paths are too)
+        self._blocked_plugins = {origin: [name for name, _ in specs] for origin, specs in specs_of.items()
+                                 if all(blocked for _, blocked in specs)}
 
     @staticmethod
     def _check_spec(category: str, hook_name: str, spec, origin) -> None:
@@ -187,13 +212,14 @@ class Registry:
                 f"named {spec.name!r} from {hook_name}, which is for category {category!r}"
             )
 
-    def _add(self, category: str, spec: PluginSpec, origin) -> None:
-        """Add one spec. A name (or section) already claimed by another distribution is a conflict:
-        the later claim is skipped and reported, and selecting that name is an error naming both."""
+    def _add(self, category: str, spec: PluginSpec, origin) -> bool:
+        """Add one spec; True when the blocklist skips it. A name (or section) already claimed by
+        another distribution is a conflict: the later claim is skipped and reported, and selecting
+        that name is an error naming both."""
         dist, version, ep = origin
         if self._is_blocked(spec.name, f"{category}:{spec.name}"):
             self.skipped.append((f"{category}:{spec.name} ({dist})", BLOCK_ENV))
-            return
+            return True
         provided = Provided(spec=spec, distribution=dist, version=version, entry_point=ep)
         table = self._by_category[category]
         claims = [(category, _norm(n), f"the {category} name {n!r}", table.get(_norm(n))) for n in spec.names()]
@@ -210,10 +236,11 @@ class Registry:
                            f"{BLOCK_ENV}={ep}")
                 self.conflicts[(kind, key)] = message
                 self._broken(ep, dist, PluginConflictError(message))
-            return
+            return False
         for name in spec.names():
             table[_norm(name)] = provided
         self._all.append(provided)
+        return False
 
     # ---------------------------------------------------------------- queries
     def all(self) -> List[Provided]:
@@ -299,33 +326,28 @@ class Registry:
             out.append((command, origin))
         return out
 
-    def api_modules(self) -> Dict[str, Tuple[ApiModule, Tuple[str, str, str]]]:
-        if self._api_modules is None:
-            table: Dict[str, Tuple[ApiModule, Tuple[str, str, str]]] = {}
-            for module, origin in self._service_results("dsplug_api_modules", ApiModule):
-                if module.path in table:
-                    self._broken(origin[2], origin[0], PluginConflictError(
-                        f"the import path {module.path} is already provided by distribution {table[module.path][1][0]!r}"))
+    def api_paths(self) -> Dict[str, List[Tuple[ApiModule, Tuple[str, str, str]]]]:
+        """DeepSpeed import path -> ``(ApiModule, origin)`` of each plugin declaring it
+        (``dsplug_api_modules``), dsplug's own first. Served by :mod:`dsplug.api_paths`."""
+        if self._api_paths is None:
+            table: Dict[str, List[Tuple[ApiModule, Tuple[str, str, str]]]] = {}
+            declared = self._service_results("dsplug_api_modules", ApiModule)
+            self.blocked_api_paths: Dict[str, str] = {}  # path -> why, for plugins whose specs are all blocked
+            for module, origin in sorted(declared, key=lambda item: item[1][0] != PROJECT):
+                blocked = self._blocked_plugins.get(origin)
+                if blocked is not None:
+                    self.blocked_api_paths[module.path] = (f"its plugin {origin[2]!r} ({origin[0]}) is blocked by "
+                                                           f"{BLOCK_ENV} ({', '.join(blocked)})")
                     continue
-                table[module.path] = (module, origin)
-            self._api_modules = table
-        return self._api_modules
+                table.setdefault(module.path, []).append((module, origin))
+            self._api_paths = table
+            self._api_packages = {".".join(path.split(".")[:i]) for path in table for i in range(2, path.count(".") + 1)}
+        return self._api_paths
 
-    def api_module(self, path: str):
-        """The plugin module that provides the public import path ``path``."""
-        import importlib
-
-        found = self.api_modules().get(path)
-        if found is None:
-            blocked = f" ({', '.join(w for w, _ in self.skipped)} blocked by {BLOCK_ENV})" if self.skipped else ""
-            raise ImportError(f"{path} is provided by a plugin, and no installed plugin provides it{blocked}. "
-                              "`dsplug list` shows what is installed.")
-        module, origin = found
-        try:
-            return importlib.import_module(module.target)
-        except ImportError as exc:
-            raise ImportError(f"{path} is provided by {module.target} (distribution {origin[0]!r}), which failed "
-                              f"to import: {exc}") from exc
+    def api_packages(self) -> Set[str]:
+        """Every package above a declared import path (``dsplug.runtime`` for ``dsplug.runtime.pipe``)."""
+        self.api_paths()
+        return self._api_packages
 
     def lifecycle_plugins(self) -> List[object]:
         """Registered plugins that implement any lifecycle hook directly."""

@@ -6,8 +6,8 @@ Two readers:
 
 * ``dsplug.__getattr__`` -- top-level names (``deepspeed.init_inference`` when the script did
   ``import dsplug as deepspeed``, or ``import deepspeed`` with the alias enabled);
-* the ``deepspeed-alias`` import finder (:mod:`dsplug.plugins.deepspeed_alias.finder`) -- modules
-  (``import deepspeed.module_inject``).
+* the kernel's import finder (:mod:`dsplug.api_paths`) -- modules (``import dsplug.module_inject``,
+  and ``import deepspeed.module_inject`` with the alias enabled, whose finder maps it to dsplug's).
 
 Both consult these tables only for a name dsplug does not have, so a feature implemented later
 wins over its row here (delete the row then). The errors are ``ImportError`` subclasses (the
@@ -72,6 +72,16 @@ NAMES: Dict[str, str] = {
 }
 
 
+#: ``DeepSpeedConfig`` attributes of DeepSpeed features dsplug lacks, with their "off" values: a
+#: config cannot turn these features on (their sections are refused), so the values are true.
+#: A plugin implementing one answers the attribute itself (``PluginSpec.deepspeed_config``).
+CONFIG_ATTRIBUTES: Dict[str, object] = {
+    "eigenvalue_enabled": False,  # the 'eigenvalue' section
+    "sequence_parallel_size": 1,  # Ulysses sequence parallelism
+    "compile_config": None,  # DeepSpeed's torch.compile integration ('compile' section)
+}
+
+
 def _message(what: str, feature: str) -> str:
     return f"{what} is not available in dsplug: {FEATURES[feature]}"
 
@@ -85,11 +95,15 @@ def attribute_error(name: str) -> Optional[NotAvailableInDsplug]:
 
 
 def module_error(fullname: str) -> Optional[ModuleNotAvailableInDsplug]:
-    """The error for importing the DeepSpeed module ``fullname`` (``deepspeed.module_inject.auto_tp``),
-    or None when neither it nor a parent has a row."""
-    parts = fullname.split(".")
+    """The error for importing the DeepSpeed module ``fullname`` (``deepspeed.module_inject.auto_tp``,
+    or the same under ``dsplug.``), or None when neither it nor a parent has a row."""
+    head, _, rest = fullname.partition(".")
+    if head not in ("deepspeed", "dsplug") or not rest:
+        return None
+    parts = f"deepspeed.{rest}".split(".")
     for i in range(len(parts), 1, -1):
         feature = MODULES.get(".".join(parts[:i]))
         if feature is not None:
-            return ModuleNotAvailableInDsplug(_message(f"the module {fullname}", feature), name=fullname)
+            what = f"the module deepspeed.{rest} (dsplug.{rest})"
+            return ModuleNotAvailableInDsplug(_message(what, feature), name=fullname)
     return None

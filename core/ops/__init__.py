@@ -1,17 +1,12 @@
 """DeepSpeed's ``deepspeed.ops`` names, backed by dsplug's native ops (or their pure-torch
 fallbacks): ``dsplug.ops.adam.DeepSpeedCPUAdam``, ``dsplug.ops.adagrad.DeepSpeedCPUAdagrad``,
-``dsplug.ops.lion.DeepSpeedCPULion``, ``dsplug.ops.op_builder.AsyncIOBuilder``, ``dsplug.ops.aio``,
-``dsplug.ops.sparse_attention`` (from the sparse attention plugin).
-Submodules are imported on first use.
+``dsplug.ops.lion.DeepSpeedCPULion``, ``dsplug.ops.op_builder.AsyncIOBuilder``, ``dsplug.ops.aio``.
+
+Submodules, the kernel's and those plugins declare (``dsplug.ops.sparse_attention``,
+``dsplug.ops.lamb``), are imported on first attribute access (see :mod:`dsplug.api_paths`).
 """
 from __future__ import annotations
 
-import importlib
+from dsplug.api_paths import plugin_names
 
-_SUBMODULES = {"adam", "adagrad", "lion", "lamb", "aio", "op_builder", "native", "sparse_attention"}
-
-
-def __getattr__(name):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = plugin_names(__name__)

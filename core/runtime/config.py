@@ -3,13 +3,16 @@
 ``DeepSpeedConfig(config)`` (a path, a dict or JSON text) parses the config as the engine would,
 with the batch sizes resolved against the current data-parallel world size, and answers
 DeepSpeed's attribute names (``train_batch_size``, ``zero_optimization_stage``, ``fp16_enabled``
-...), which is how integrations such as Hugging Face's read a config. ``"auto"`` values are
+...), which is how integrations such as Hugging Face's read a config. The kernel answers its own
+keys (batch sizes, gradient clipping, checkpoint, optimizer, scheduler ...); each feature's
+attributes come from the plugin owning its section (``PluginSpec.deepspeed_config``). ``"auto"`` values are
 accepted and stay ``"auto"`` (the engine resolves them). The parsed
 :class:`dsplug.config.DsplugConfig` is ``.config``; ``_param_dict`` is the resolved dict.
 """
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Dict, Optional
 
 from ..config import ConfigError, DsplugConfig
@@ -74,32 +77,6 @@ class DeepSpeedConfig:
         self.load_universal_checkpoint = checkpoint.load_universal
         self.use_node_local_storage = checkpoint.use_node_local_storage
 
-        zero = d.get(ZERO_OPTIMIZATION) or {}  # noqa: F405
-        self.zero_optimization_stage = int(zero.get("stage", 0)) if not isinstance(zero.get("stage"), str) else 0
-        self.zero_enabled = self.zero_optimization_stage > 0
-
-        fp16 = d.get(FP16) or {}  # noqa: F405
-        bf16 = d.get(BFLOAT16) or {}  # noqa: F405
-        amp = d.get(AMP) or {}  # noqa: F405
-        self.fp16_enabled = fp16.get("enabled") is True
-        self.fp16_auto_cast = bool(fp16.get("auto_cast", False)) if self.fp16_enabled else None
-        self.fp16_master_weights_and_gradients = bool(fp16.get("fp16_master_weights_and_grads", False))
-        self.bfloat16_enabled = bf16.get("enabled") is True
-        self.bfloat16_immediate_grad_update = bool(bf16.get("immediate_grad_update", False))
-        self.bfloat16_check_grad_overflow = bool(bf16.get("check_grad_overflow", False))
-        self.amp_enabled = amp.get("enabled") is True
-        self.amp_params = {k: v for k, v in amp.items() if k != "enabled"} if self.amp_enabled else False
-        self.loss_scale = fp16.get("loss_scale", 0) if self.fp16_enabled else 0
-        power = fp16.get("initial_scale_power", 16)
-        self.initial_dynamic_scale = 2 ** power if isinstance(power, int) else None
-        self.dynamic_loss_scale_args = {
-            "init_scale": self.initial_dynamic_scale,
-            "scale_window": fp16.get("loss_scale_window", 1000),
-            "delayed_shift": fp16.get("hysteresis", 2),
-            "consecutive_hysteresis": fp16.get("consecutive_hysteresis", False),
-            "min_scale": fp16.get("min_loss_scale", 1),
-        } if self.fp16_enabled and not self.loss_scale else None
-
         optimizer = d.get(OPTIMIZER)  # noqa: F405
         self.optimizer_name = optimizer["type"].lower() if optimizer else None
         self.optimizer_params = dict(optimizer.get("params", {})) if optimizer else None
@@ -108,37 +85,52 @@ class DeepSpeedConfig:
         self.scheduler_name = scheduler["type"] if scheduler else None
         self.scheduler_params = dict(scheduler.get("params", {})) if scheduler else None
 
-        self.elasticity_enabled = (d.get("elasticity") or {}).get("enabled") is True
-        self.pld_enabled = False
-        self.pld_params = False
-        self.curriculum_enabled_legacy = False
-        self.curriculum_params_legacy = False
-        self.data_efficiency_enabled = False
-        self.eigenvalue_enabled = False
-        self.sequence_parallel_size = 1
-        self.compile_config = None
+        from ..unavailable import CONFIG_ATTRIBUTES
 
-    # ------------------------------------------------------------------ DeepSpeed's other names
-    @property
-    def bf16_enabled(self) -> bool:
-        return self.bfloat16_enabled
+        own = [*vars(self), *(n for n in vars(DeepSpeedConfig) if not n.startswith("_"))]
+        self._answered_by: Dict[str, str] = {name: "the kernel" for name in own}
+        self._plugin_attributes()
+        for name, value in CONFIG_ATTRIBUTES.items():  # features dsplug lacks: a config cannot enable them
+            if name not in self._answered_by:
+                setattr(self, name, value)
+                self._answered_by[name] = "dsplug.unavailable"
 
-    @property
-    def zero_config(self):
-        """The ``zero_optimization`` section as DeepSpeed's ``DeepSpeedZeroConfig`` (from the ZeRO plugin)."""
-        from .zero.config import DeepSpeedZeroConfig
+    def _plugin_attributes(self) -> None:
+        """Each plugin's ``PluginSpec.deepspeed_config`` answers the attributes of its feature
+        (``fp16_enabled`` from the fp16 precision plugin, ``pld_params`` from progressive layer
+        drop ...). A name already answered keeps its first answer; a clash or a failing plugin is
+        reported with a warning naming the plugin."""
+        for provided in self.config.registry.all():
+            answer = provided.spec.deepspeed_config
+            if answer is None:
+                continue
+            who = f"{provided.category}:{provided.name} ({provided.distribution})"
+            try:
+                values = dict(answer(self.config))
+            except Exception as exc:  # noqa: BLE001 - one plugin's bug must not hide the other attributes
+                warnings.warn(f"DeepSpeedConfig: the deepspeed_config of plugin {who} failed: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+                continue
+            for name, value in values.items():
+                if name in self._answered_by:
+                    warnings.warn(f"DeepSpeedConfig.{name}: plugin {who} answers it, but {self._answered_by[name]} "
+                                  "already does; the first answer is kept", RuntimeWarning, stacklevel=3)
+                    continue
+                setattr(self, name, value)
+                self._answered_by[name] = f"plugin {who}"
 
-        section = self.config.raw.get(ZERO_OPTIMIZATION) or {}  # noqa: F405 - as given: absent offloads are None
-        return DeepSpeedZeroConfig({"stage": 1 if section else 0} if isinstance(section, bool) else dict(section))
-
-    @property
-    def flops_profiler_config(self):
-        return self.config.section("flops_profiler")
+    def __getattr__(self, name):  # only called for a name nothing answered
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"DeepSpeedConfig has no attribute {name!r}: neither the kernel nor an installed plugin "
+                             "answers it (a feature's attributes come from the plugin owning its config section; "
+                             "`dsplug list` shows what is installed)")
 
     @property
     def monitor_config(self) -> Dict[str, Any]:
-        return {k: self._param_dict[k] for k in ("tensorboard", "wandb", "csv_monitor", "comet")
-                if k in self._param_dict}
+        """The given sections of the monitor plugins (``tensorboard``, ``csv_monitor`` ...)."""
+        monitors = {p.spec.section for p in self.config.registry.all() if p.category == "monitor" and p.spec.section}
+        return {k: self._param_dict[k] for k in sorted(monitors) if k in self._param_dict}
 
     @property
     def checkpoint_config(self) -> Dict[str, Any]:
@@ -150,7 +142,7 @@ class DeepSpeedConfig:
     def print(self, name: str) -> None:
         print(f"{name}:")
         for key in sorted(vars(self)):
-            if key not in ("config", "_param_dict"):
+            if not key.startswith("_") and key != "config":
                 print(f"  {key} {'.' * (29 - len(key))} {getattr(self, key)}")
         print("  json = " + json.dumps(self._param_dict, sort_keys=True, indent=4, default=str))
 

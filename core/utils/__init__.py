@@ -10,15 +10,18 @@
   ``z3_leaf_module`` / ``z3_leaf_parameter`` (:mod:`.z3_leaf_module`, from the ZeRO stage-3 plugin);
 * :mod:`.zero_to_fp32` — rebuild fp32 weights from a partitioned checkpoint (from the ZeRO plugin).
 
-Everything is imported on first use.
+Everything is imported on first use (see :mod:`dsplug.api_paths`).
 """
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
-_SUBMODULES = {"logging", "groups", "tensor_fragment", "z3_leaf_module", "zero_to_fp32"}
+from dsplug.api_paths import plugin_names
 
-#: name -> submodule that defines it
+#: name -> submodule that defines it (``z3_leaf_module`` and ``zero_to_fp32`` are import paths the
+#: ZeRO plugins declare; the rest are the kernel's)
 _NAMES = {
     "logger": "logging",
     "log_dist": "logging",
@@ -38,13 +41,27 @@ _NAMES = {
 
 __all__ = sorted(set(_NAMES) | {"groups", "zero_to_fp32", "z3_leaf_module"})
 
-from . import z3_leaf_module as _leaf  # noqa: E402 - a forwarding module: importing it is cheap
-
 
 def z3_leaf_module(model) -> bool:
     """Whether ``model`` is a ZeRO-3 leaf module (DeepSpeed's ``deepspeed.utils.z3_leaf_module``:
     the package attribute is this function, the submodule of the same name holds the others)."""
-    return _leaf.z3_leaf_module(model)
+    return importlib.import_module(f"{__name__}.z3_leaf_module").z3_leaf_module(model)
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``z3_leaf_module`` binds it on this package (the import system does
+    that for every child): the function of the same name stays the package attribute, as in
+    DeepSpeed, whose package imports the submodule first and then the function over it."""
+
+    def __setattr__(self, name, value):
+        if name == "z3_leaf_module" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+_child, _children = plugin_names(__name__)
 
 
 def __getattr__(name):
@@ -52,10 +69,8 @@ def __getattr__(name):
         value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _child(name)
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_NAMES) | _SUBMODULES)
+    return sorted(set(_children()) | set(_NAMES))

@@ -73,11 +73,16 @@ def build_observer(section, context):
 
 
 def _params(engine):
+    return _section_params(engine.config)
+
+
+def _section_params(config):
+    """The section without ``enabled`` (and without unset keys), or False when the config has none."""
     from dsplug.config.schema import to_dict
 
-    if SECTION not in engine.config.sections:
+    if SECTION not in config.sections:
         return False
-    params = {k: v for k, v in to_dict(engine.config.sections[SECTION]).items() if k != "enabled" and v is not None}
+    params = {k: v for k, v in to_dict(config.sections[SECTION]).items() if k != "enabled" and v is not None}
     if isinstance(params.get("schedule_config"), dict):
         params["schedule_config"] = {k: v for k, v in params["schedule_config"].items() if v is not None}
     return params
@@ -96,12 +101,21 @@ def dsplug_engine_methods(engine):
     return methods
 
 
+def deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attributes: ``curriculum_enabled_legacy`` (the section's
+    ``enabled``) and ``curriculum_params_legacy`` (the section without ``enabled``, or False)."""
+    section = config.sections.get(SECTION)
+    return {"curriculum_enabled_legacy": getattr(section, "enabled", False) is True,
+            "curriculum_params_legacy": _section_params(config)}
+
+
 SPEC = PluginSpec(
     category="observer",
     name=SECTION,
     section=SECTION,
     schema=CurriculumLearningConfig,
     factory=build_observer,
+    deepspeed_config=deepspeed_config,
     summary="legacy curriculum learning: curriculum_seqlen per global step (fixed_linear / fixed_root / "
             "fixed_discrete)",
 )

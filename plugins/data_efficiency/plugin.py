@@ -177,12 +177,23 @@ def _rule(config, report):
         report.notice(f"{SECTION}.{path}.enabled", "is true but an enclosing 'enabled' is false, so it is off")
 
 
+def deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attributes: ``data_efficiency_enabled`` and
+    ``data_efficiency_config`` (the section with its defaults filled in)."""
+    from dsplug.config.schema import to_dict
+
+    section = config.sections.get(SECTION)
+    section = section if section is not None else DataEfficiencyConfig()
+    return {"data_efficiency_enabled": bool(section.enabled), "data_efficiency_config": to_dict(section)}
+
+
 SPEC = PluginSpec(
     category="observer",
     name=SECTION,
     section=SECTION,
     schema=DataEfficiencyConfig,
     factory=build_observer,
+    deepspeed_config=deepspeed_config,
     rules=[_rule],
     summary="data efficiency: curriculum data sampling (DataAnalyzer index files) and random-LTD token dropping",
 )

@@ -7,9 +7,11 @@ holds once the shim has run). Each ``deepspeed.X`` is then served the very modul
 ``dsplug.X`` -- never a second copy, so module state (the comm layer's process group, the
 registry) is shared whichever name a library uses.
 
-A DeepSpeed module dsplug does not implement raises
-:class:`dsplug.unavailable.ModuleNotAvailableInDsplug` naming the feature and why (the table is
-:data:`dsplug.unavailable.MODULES`); any other missing name is an ordinary ``ModuleNotFoundError``.
+``deepspeed.X`` is found exactly where ``dsplug.X`` is, by the same finders: kernel modules, the
+import paths plugins declare (:mod:`dsplug.api_paths`), and the errors that explain a missing one
+-- :class:`dsplug.unavailable.ModuleNotAvailableInDsplug` for a DeepSpeed module dsplug does not
+implement, :class:`dsplug.api_paths.ApiPathError` for a blocked plugin's path. Any other missing
+name is an ordinary ``ModuleNotFoundError``.
 
 Cheap to import: nothing here imports torch.
 """
@@ -55,6 +57,14 @@ class AliasLoader(importlib.abc.Loader):
                 pass
 
 
+def _explains(exc: ImportError) -> bool:
+    """Whether ``exc`` is one of the explaining errors of dsplug's own import finder."""
+    from dsplug.api_paths import ApiPathError
+    from dsplug.unavailable import NotAvailableInDsplug
+
+    return isinstance(exc, (ApiPathError, NotAvailableInDsplug))
+
+
 class AliasFinder(importlib.abc.MetaPathFinder):
     """Meta-path finder for ``deepspeed`` and ``deepspeed.*`` (first on ``sys.meta_path``)."""
 
@@ -71,14 +81,11 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         else:
             try:
                 real_spec = importlib.util.find_spec(real)
-            except ModuleNotFoundError:  # a parent dsplug module is missing
-                real_spec = None
+            except ModuleNotFoundError as exc:
+                if _explains(exc):
+                    raise  # dsplug's finder says why (a feature dsplug lacks, a blocked plugin)
+                real_spec = None  # a parent dsplug module is missing
             if real_spec is None:
-                from dsplug.unavailable import module_error
-
-                error = module_error(fullname)
-                if error is not None:
-                    raise error
                 return None  # the ordinary "No module named 'deepspeed.X'"
             is_package = real_spec.submodule_search_locations is not None
         origin = getattr(real_spec, "origin", None)

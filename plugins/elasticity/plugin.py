@@ -32,9 +32,15 @@ def dsplug_api_modules():
             ApiModule("dsplug.elasticity.constants", "dsplug.plugins.elasticity.constants")]
 
 
+def deepspeed_config(config) -> Dict[str, Any]:
+    """DeepSpeed's ``DeepSpeedConfig`` attribute of the section: ``elasticity_enabled``."""
+    return {"elasticity_enabled": (config.get(C.ELASTICITY) or {}).get("enabled") is True}
+
+
 @hookimpl
 def dsplug_config_sections():
     return [PluginSpec(category="section", name=C.ELASTICITY, section=C.ELASTICITY, schema=ElasticitySection,
+                       deepspeed_config=deepspeed_config,
                        summary="elastic training: one batch size valid over a range of GPU counts")]
 
 

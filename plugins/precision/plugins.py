@@ -154,15 +154,60 @@ def one_precision_mode(config, report) -> None:
                          "or the fp16 section for O2-style fp16 weights with fp32 master weights")
 
 
+# ----------------------------------------------------------------------------- DeepSpeedConfig attributes
+def fp16_deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attributes of the ``fp16`` section."""
+    fp16 = config.get("fp16") or {}
+    enabled = fp16.get("enabled") is True
+    loss_scale = fp16.get("loss_scale", 0) if enabled else 0
+    power = fp16.get("initial_scale_power", 16)
+    initial = 2 ** power if isinstance(power, int) else None
+    return {
+        "fp16_enabled": enabled,
+        "fp16_auto_cast": bool(fp16.get("auto_cast", False)) if enabled else None,
+        "fp16_master_weights_and_gradients": bool(fp16.get("fp16_master_weights_and_grads", False)),
+        "loss_scale": loss_scale,
+        "initial_dynamic_scale": initial,
+        "dynamic_loss_scale_args": {
+            "init_scale": initial,
+            "scale_window": fp16.get("loss_scale_window", 1000),
+            "delayed_shift": fp16.get("hysteresis", 2),
+            "consecutive_hysteresis": fp16.get("consecutive_hysteresis", False),
+            "min_scale": fp16.get("min_loss_scale", 1),
+        } if enabled and not loss_scale else None,
+    }
+
+
+def bf16_deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attributes of the ``bf16`` section."""
+    bf16 = config.get("bf16") or {}
+    enabled = bf16.get("enabled") is True
+    return {
+        "bfloat16_enabled": enabled,
+        "bf16_enabled": enabled,
+        "bfloat16_immediate_grad_update": bool(bf16.get("immediate_grad_update", False)),
+        "bfloat16_check_grad_overflow": bool(bf16.get("check_grad_overflow", False)),
+    }
+
+
+def amp_deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attributes of the ``amp`` section."""
+    amp = config.get("amp") or {}
+    enabled = amp.get("enabled") is True
+    return {"amp_enabled": enabled, "amp_params": {k: v for k, v in amp.items() if k != "enabled"} if enabled else False}
+
+
 @hookimpl
 def dsplug_precisions():
     return [
         PluginSpec(category="precision", name="fp32", factory=build_fp32, default=True,
                    summary="full precision (default)"),
         PluginSpec(category="precision", name="fp16", section="fp16", schema=Fp16Config, factory=build_fp16,
-                   rules=(one_precision_mode,), summary="fp16 weights, fp32 master weights, loss scaling"),
+                   rules=(one_precision_mode,), deepspeed_config=fp16_deepspeed_config,
+                   summary="fp16 weights, fp32 master weights, loss scaling"),
         PluginSpec(category="precision", name="bf16", aliases=("bfloat16",), section="bf16", schema=Bf16Config,
-                   factory=build_bf16, summary="bf16 weights, fp32 master weights and gradient accumulation"),
+                   factory=build_bf16, deepspeed_config=bf16_deepspeed_config,
+                   summary="bf16 weights, fp32 master weights and gradient accumulation"),
         PluginSpec(category="precision", name="amp", section="amp", schema=AmpConfig, factory=build_amp,
-                   summary="torch.autocast around forward (Apex O1 semantics)"),
+                   deepspeed_config=amp_deepspeed_config, summary="torch.autocast around forward (Apex O1 semantics)"),
     ]

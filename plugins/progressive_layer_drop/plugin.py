@@ -112,12 +112,22 @@ def dsplug_engine_methods(engine):
     }
 
 
+def deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attributes: ``pld_enabled`` (the section's ``enabled``) and
+    ``pld_params`` (the section without ``enabled``, or False when the config has none)."""
+    section = config.sections.get(SECTION)
+    if section is None:
+        return {"pld_enabled": False, "pld_params": False}
+    return {"pld_enabled": section.enabled is True, "pld_params": {"theta": section.theta, "gamma": section.gamma}}
+
+
 SPEC = PluginSpec(
     category="observer",
     name=SECTION,
     section=SECTION,
     schema=ProgressiveLayerDropConfig,
     factory=build_observer,
+    deepspeed_config=deepspeed_config,
     summary="progressive layer dropping: progressive_layer_drop / pld_theta to the model's forward",
 )
 

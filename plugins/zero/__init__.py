@@ -17,6 +17,7 @@ from dsplug import PluginSpec, hookimpl
 from dsplug.descriptors import ApiModule
 
 from .config import RULES, ZeroConfig
+from .ds_config import deepspeed_config_attributes
 
 #: ``"auto"`` keys derived from the model's hidden size h, as DeepSpeed's Hugging Face integration does
 HIDDEN_SIZE_RULES = {
@@ -52,6 +53,7 @@ def dsplug_config_sections():
             schema=ZeroConfig,
             rules=RULES,
             selects=("zero_stage", "stage"),
+            deepspeed_config=deepspeed_config_attributes,
             summary="ZeRO settings; zero_optimization.stage selects a zero_stage plugin",
         )
     ]

@@ -151,3 +151,17 @@ ZERO_OPTIMIZATION = "zero_optimization"
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig",
            "OffloadDeviceEnum", "ZeroStageEnum", "ZERO_OPTIMIZATION", "get_zero_config"]
+
+
+def deepspeed_config_attributes(config) -> Dict[str, Any]:
+    """DeepSpeed's ``DeepSpeedConfig`` attributes of the ``zero_optimization`` section
+    (``PluginSpec.deepspeed_config``): the stage, whether ZeRO is on, and the section as DeepSpeed's
+    ``DeepSpeedZeroConfig`` (parsed as given: an absent offload stays None)."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    stage = int(stage) if not isinstance(stage, str) else 0  # "auto" / a plugin's named stage: not DeepSpeed's 1-3
+    section = config.raw.get("zero_optimization") or {}
+    return {
+        "zero_optimization_stage": stage,
+        "zero_enabled": stage > 0,
+        "zero_config": DeepSpeedZeroConfig({"stage": 1 if section else 0} if isinstance(section, bool) else dict(section)),
+    }

@@ -1,20 +1,14 @@
-"""``deepspeed.ops.adam`` names: ``DeepSpeedCPUAdam`` (alias ``CPUAdam``), the kernel's native op,
-and ``FusedAdam``.
+"""``deepspeed.ops.adam``: ``DeepSpeedCPUAdam`` (alias ``CPUAdam``), the kernel's native CPU Adam.
 
-``FusedAdam`` is the Adam optimizer plugin's class: the plugin declares this path through the
-``dsplug_api_modules`` hook and the name is resolved on first use through the registry (so a
-blocked or missing plugin is named in the ImportError). Names defined here stay the kernel's.
+Plugins add names here through ``dsplug_api_modules`` (dsplug's Adam optimizer plugin adds
+``FusedAdam``); they are looked up on first use (see :mod:`dsplug.api_paths`).
 """
 from __future__ import annotations
 
-from dsplug.public import forward_to_plugin
+from dsplug.api_paths import plugin_names
 
 from .cpu_adam import CPUAdam, DeepSpeedCPUAdam
 
 __all__ = ["DeepSpeedCPUAdam", "CPUAdam"]
 
-__getattr__, _plugin_dir = forward_to_plugin(__name__)
-
-
-def __dir__():
-    return sorted(set(__all__) | set(_plugin_dir()))
+__getattr__, __dir__ = plugin_names(__name__)

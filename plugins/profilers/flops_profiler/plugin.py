@@ -28,12 +28,19 @@ def build_observer(config, context):
     return FlopsProfilerObserver(config, context)
 
 
+def deepspeed_config(config):
+    """DeepSpeed's ``DeepSpeedConfig`` attribute of the section: ``flops_profiler_config`` (the
+    parsed section, its defaults when absent)."""
+    return {"flops_profiler_config": config.section("flops_profiler")}
+
+
 SPEC = PluginSpec(
     category="observer",
     name="flops_profiler",
     section="flops_profiler",
     schema=FlopsProfilerConfig,
     factory=build_observer,
+    deepspeed_config=deepspeed_config,
     summary="per-module params, MACs, FLOPs and latency of one training step",
 )
 

@@ -25,6 +25,7 @@ def dsplug_zero_stages():
 @hookimpl
 def dsplug_api_modules():
     return [ApiModule("dsplug.zero", "dsplug.plugins.zero.stage3.api"),
+            ApiModule("dsplug.runtime.zero", "dsplug.plugins.zero.stage3.api"),
             ApiModule("dsplug.runtime.zero.partition_parameters", "dsplug.plugins.zero.stage3.partition_parameters"),
             ApiModule("dsplug.utils.z3_leaf_module", "dsplug.plugins.zero.stage3.leaf")]
 

@@ -417,7 +417,7 @@ def test_deepspeed_import_paths_give_the_optimizers_with_deepspeeds_signatures()
 
     assert OnebitAdam is adam_module.OnebitAdam and ZeroOneAdam is zoadam_class and OnebitLamb is lamb_class
     assert (onebit.OnebitAdam, onebit.ZeroOneAdam, onebit.OnebitLamb) == (OnebitAdam, ZeroOneAdam, OnebitLamb)
-    assert dsplug_path.ZeroOneAdam is ZeroOneAdam and dir(onebit) == ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+    assert dsplug_path.ZeroOneAdam is ZeroOneAdam and dir(onebit) == ["OnebitAdam", "OnebitLamb", "ZeroOneAdam", "adam", "lamb", "zoadam"]
 
     # DeepSpeed's positional order: params, deepspeed (the engine; unused), lr, freeze_step, ...
     model = tiny_model(0)

@@ -1,5 +1,0 @@
-"""``dsplug.compression.compress`` (``deepspeed.compression.compress``): ``init_compression``,
-``redundancy_clean``, ``student_initialization``, from the plugin declaring this path."""
-from dsplug.public import forward_to_plugin
-
-__getattr__, __dir__ = forward_to_plugin(__name__)

@@ -1,1 +1,0 @@
-"""``deepspeed.runtime.data_pipeline.data_sampling``: ``data_analyzer`` and ``data_sampler``."""

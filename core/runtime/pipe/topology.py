@@ -1,5 +1,0 @@
-"""``dsplug.runtime.pipe.topology`` (DeepSpeed's ``deepspeed.runtime.pipe.topology``), from the plugin declaring
-this path (dsplug's own: ``dsplug.plugins.pipe.topology``); see :mod:`dsplug.public`."""
-from dsplug.public import forward_to_plugin
-
-__getattr__, __dir__ = forward_to_plugin(__name__)
