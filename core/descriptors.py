@@ -69,6 +69,9 @@ class PluginSpec:
     priority: accelerators: among the available ones, the highest priority is picked.
     states_per_param: optimizers: fp32 values of state kept per parameter (Adam: 2), for memory
               estimates.
+    traits:   what the plugin does, declared for config checks without building it: a
+              ``zero_stage``'s :class:`dsplug.contracts.ZeroStageTraits`, an ``offload_device``'s
+              capabilities (a frozenset, see :mod:`dsplug.contracts.offload`).
     """
 
     category: str = attrs.field(validator=attrs.validators.in_(CATEGORIES))
@@ -84,6 +87,7 @@ class PluginSpec:
     default: bool = False
     priority: int = 0
     states_per_param: Optional[int] = None
+    traits: Any = None
 
     def names(self) -> Tuple[str, ...]:
         return (self.name,) + self.aliases

@@ -74,8 +74,10 @@ class DeepSpeedConfig:
         self.load_universal_checkpoint = checkpoint.load_universal
         self.use_node_local_storage = checkpoint.use_node_local_storage
 
-        zero = d.get(ZERO_OPTIMIZATION) or {}  # noqa: F405
-        self.zero_optimization_stage = int(zero.get("stage", 0)) if not isinstance(zero.get("stage"), str) else 0
+        from ..contracts.zero_stage import selected_traits
+
+        traits = selected_traits(self.config)  # the selected stage's DeepSpeed number (0-3)
+        self.zero_optimization_stage = traits.zero_optimization_stage() if traits is not None else 0
         self.zero_enabled = self.zero_optimization_stage > 0
 
         fp16 = d.get(FP16) or {}  # noqa: F405

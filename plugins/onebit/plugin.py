@@ -31,6 +31,7 @@ from dsplug.plugins.optimizers.common import (
     cross_checks,
     given,
     options_of,
+    partitions_optimizer_states,
     selected_optimizer_type,
     zero_stage,
 )
@@ -172,7 +173,7 @@ def stage0_only(type_name: str):
         if chosen is None or chosen.strip().lower() != key:
             return
         stage = zero_stage(config)
-        if stage > 0:
+        if partitions_optimizer_states(config):
             name, why = _WHOLE_TENSORS[key]
             report.error("optimizer.type", f"{name} {why}; use zero_optimization.stage 0 (it is {stage}: at stages "
                                            "1-3 each rank steps a flat slice of the parameters)")

@@ -110,7 +110,16 @@ class DeepSpeedZeroConfig(_Parsed):
 
     @property
     def stage(self) -> ZeroStageEnum:
-        return ZeroStageEnum(self._parsed.stage)
+        """DeepSpeed's enum: 0-3 as written; another stage plugin's name answers its traits' number."""
+        value = self._parsed.stage
+        if str(value) in ("0", "1", "2", "3"):
+            return ZeroStageEnum(int(value))
+        from dsplug.contracts.zero_stage import NO_TRAITS, traits_of_spec
+        from dsplug.registry import get_registry
+
+        provided = get_registry().find("zero_stage", str(value))
+        traits = traits_of_spec(provided) if provided is not None else NO_TRAITS
+        return ZeroStageEnum(traits.zero_optimization_stage())
 
     def _offload(self, key: str, cls):
         given = self._given.get(key)

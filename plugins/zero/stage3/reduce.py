@@ -11,7 +11,7 @@ divides by N before the reduction, otherwise the sum is divided by ``gradient_pr
 before and multiplied by ``predivide / N`` after.
 
 ZeRO++ qgZ (``zero_quantized_gradients``): the same bucket goes through
-:class:`dsplug.plugins.zero.zeropp.QuantizedGradients` instead: an all-to-all of int8
+:class:`dsplug.plugins.zero.stage3.zeropp.QuantizedGradients` instead: an all-to-all of int8
 block-quantized rows, dequantized and summed in fp32 by the receiving rank.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .partition import FlatGroup
+from ..partitioning.flat import FlatGroup
 
 
 class Bucket:
@@ -85,7 +85,7 @@ def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements:
     return [Bucket(b, group_of) for b in buckets]
 
 
-class GradientReducer:
+class FlatGradientReducer:
     """Runs one reduction round per backward pass (see the module docstring).
 
     grad_of(p):  the gradient to reduce for ``p`` (or None: none was produced)
@@ -286,7 +286,7 @@ class ReducerSet:
     """The reducers of several reduction domains (the data-parallel group, each MoE expert-data-
     parallel group) driven as one: a parameter goes to the reducer of its domain."""
 
-    def __init__(self, reducers: List[GradientReducer]):
+    def __init__(self, reducers: List[FlatGradientReducer]):
         self.reducers = reducers
         self.of = {p: r for r in reducers for p in r.group_of}
 
