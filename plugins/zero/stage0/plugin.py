@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.contracts.zero_stage import ZeroStageTraits
 
-#: stage 0 partitions nothing and offloads nothing
-TRAITS = ZeroStageTraits(deepspeed_stage=0)
+from .traits import TRAITS
 
 
 def build_stage0(module, param_groups, build_optimizer, precision, zero_config, context):

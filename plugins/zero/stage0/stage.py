@@ -30,7 +30,7 @@ from ..checkpoint import deepspeed_format as dsf
 from ..partitioning.experts import expert_domains
 from ..partitioning.gradients import comm_dtype, unscale_check_clip
 from .buckets import GradientBuckets
-from .plugin import TRAITS
+from .traits import TRAITS
 
 
 class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):

@@ -36,16 +36,8 @@ The optimizer must be element-wise (see :mod:`dsplug.plugins.zero.partitioning.c
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.contracts.offload import BYTE_ADDRESSABLE
-from dsplug.contracts.zero_stage import ZeroStageTraits
 
-#: stage 1: optimizer states (and fp32 masters) partitioned; offloaded to byte-addressable storage
-STAGE1_TRAITS = ZeroStageTraits(deepspeed_stage=1, partitions_optimizer_states=True,
-                                offload_optimizer=frozenset({BYTE_ADDRESSABLE}))
-#: stage 2: gradients partitioned too
-STAGE2_TRAITS = ZeroStageTraits(deepspeed_stage=2, partitions_optimizer_states=True, partitions_gradients=True,
-                                offload_optimizer=frozenset({BYTE_ADDRESSABLE}))
-TRAITS = {1: STAGE1_TRAITS, 2: STAGE2_TRAITS}
+from .traits import STAGE1_TRAITS, STAGE2_TRAITS
 
 
 def _build(stage: int):

@@ -32,7 +32,7 @@ import torch
 from ..partitioning.flat import FlatGroup
 
 
-class Bucket:
+class ReduceBucket:
     """Static description of one bucket: where each gradient piece goes in its buffer.
 
     slots:    param -> [(buffer offset, offset in the flattened parameter, length)]
@@ -71,7 +71,7 @@ class Bucket:
         self.numel = offset
 
 
-def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements: int) -> List[Bucket]:
+def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements: int) -> List[ReduceBucket]:
     """Greedy buckets over ``order``: close a bucket when the next parameter would overflow it."""
     buckets, current, size = [], [], 0
     for p in order:
@@ -82,7 +82,7 @@ def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements:
         size += p.numel()
     if current:
         buckets.append(current)
-    return [Bucket(b, group_of) for b in buckets]
+    return [ReduceBucket(b, group_of) for b in buckets]
 
 
 class FlatGradientReducer:

@@ -41,7 +41,7 @@ from ..partitioning.experts import expert_domains
 from ..partitioning.flat import FlatGroup, gather_partitions, round_robin_order
 from ..partitioning.gradients import comm_dtype, unscale_check_clip
 from ..partitioning.offload import open_devices
-from .plugin import TRAITS
+from .traits import TRAITS
 from .reducer import FlatGradientReducer, ReducerSet
 
 
@@ -102,7 +102,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         names = {p: n for n, p in module.named_parameters()}
         _check_groups(param_groups, names, stage)
         #: per param group: where it is partitioned (the data-parallel group, or a MoE expert group's
-        #: expert-data-parallel group: see plugins/zero/buckets.py expert_domains)
+        #: expert-data-parallel group: see plugins/zero/partitioning/experts.py expert_domains)
         self.domains: List[Domain] = [_domain_of(g, gi, names, self) for gi, g in enumerate(param_groups)]
         self.groups: List[FlatGroup] = []
         for gi, (g, domain) in enumerate(zip(param_groups, self.domains)):

@@ -4,14 +4,9 @@ import."""
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.contracts.zero_stage import ZeroStageTraits
 from dsplug.descriptors import ApiModule
 
-#: stage 3 partitions everything; it offloads optimizer state and parameters to any device (in
-#: place when byte-addressable, through swap buffers otherwise) and splits the step (ratio < 1)
-TRAITS = ZeroStageTraits(deepspeed_stage=3, partitions_optimizer_states=True, partitions_gradients=True,
-                         partitions_parameters=True, offload_optimizer=frozenset(), offload_param=frozenset(),
-                         offload_ratio=True)
+from .traits import TRAITS
 
 
 def build_stage3(module, param_groups, build_optimizer, precision, zero_config, context):

@@ -6,7 +6,7 @@ in the same order on every rank). They are collected into buckets of about
 of every gradient in the bucket, ``[A_r | B_r | ...]`` — so that one reduce-scatter leaves each
 rank exactly its own pieces, which are added into its gradient partitions.
 
-Averaging over ranks follows stage 0 (``plugins/zero/buckets.py``): ``prescale_gradients``
+Averaging over ranks follows stage 0 (``plugins/zero/stage0/buckets.py``): ``prescale_gradients``
 divides by N before the reduction, otherwise the sum is divided by ``gradient_predivide_factor``
 before and multiplied by ``predivide / N`` after.
 

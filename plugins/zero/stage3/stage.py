@@ -48,7 +48,7 @@ from .coordinator import ParamCoordinator
 from .offload_params import param_partitioner
 from .offload_store import OffloadedPartitions
 from .partitioned_param import ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of, unique
-from .plugin import TRAITS
+from .traits import TRAITS
 from .reduce import GradientReducer
 from .zeropp import build_zeropp, secondary_tensors
 
