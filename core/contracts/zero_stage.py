@@ -139,37 +139,48 @@ class ZeroStage(abc.ABC):
     last_grad_norm: Optional[float] = None
 
     def before_backward(self, is_boundary: bool) -> None:
-        """A micro-step's backward is about to run."""
+        """Called by ``engine.backward(loss)`` just before autograd's backward, every micro-step.
+        ``is_boundary``: this micro-step ends the accumulation window (and the caller did not
+        pass ``allreduce_gradients=False``), so its gradients are the ones to reduce over ranks."""
 
     def after_backward(self) -> None:
-        """Autograd's backward returned (start or finish reductions here)."""
+        """Called by ``engine.backward(loss)`` right after autograd's backward returned, every
+        micro-step: finish (or start) the reductions of this micro-step's gradients."""
 
     @abc.abstractmethod
     def step(self) -> bool:
-        """Reduce, unscale, check, clip, update, write weights back; False when skipped."""
+        """Called by ``engine.step()`` at each accumulation boundary: reduce what is left,
+        ``precision.unscale_``, take the global norm (set ``last_grad_norm``), check overflow
+        and tell ``precision.update_scale``, clip, run the optimizer, write the weights back,
+        drop the gradients. Returns False when an overflow skipped the update."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
-        """Drop accumulated gradients."""
+        """Called by ``engine.zero_grad()`` (and after skipped steps): drop accumulated gradients."""
 
     @abc.abstractmethod
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer and master-weight state."""
+        """Called on every rank by ``save_checkpoint``: this rank's optimizer and master-weight
+        state, saved under ``"stage"`` in this rank's file (tensors, dicts, lists, numbers)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: Dict[str, Any], load_optimizer_states: bool = True,
                         saved_world_size: Optional[int] = None,
                         read_rank: Optional[Callable[[int], Dict[str, Any]]] = None) -> None:
-        """Restore; ``read_rank(r)`` returns rank ``r``'s saved :meth:`state_dict`, so state saved
-        with N ranks can be re-sliced for this run's M."""
+        """Called on every rank by ``load_checkpoint`` (after the module) with this rank's saved
+        :meth:`state_dict`. ``load_optimizer_states``: False restores master weights only;
+        ``saved_world_size``: the data-parallel size that saved it; ``read_rank(r)`` returns rank
+        ``r``'s saved :meth:`state_dict`, so state saved with N ranks can be re-sliced for M."""
 
     @abc.abstractmethod
     def module_state_dict(self) -> Dict[str, Any]:
-        """The FULL module state dict. A collective when partitioned: every rank calls it."""
+        """The FULL module state dict (``save_checkpoint``'s shared file, ``save_16bit_model``,
+        Hugging Face's consolidated weights). A collective when partitioned: every rank calls it."""
 
     @abc.abstractmethod
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full module state dict (re-partitioning it if needed)."""
+        """Called by ``load_checkpoint`` with the shared file's ``"module"``: load a full module
+        state dict (each rank keeps its part when partitioned); ``strict`` as torch's."""
 
     def refresh_master_from_model(self) -> None:
         """After a module-only load: master weights := the module's weights."""
@@ -223,7 +234,8 @@ class ZeroStage(abc.ABC):
         raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not report its memory")
 
     def close(self) -> None:
-        """Remove hooks; the stage is not used afterwards."""
+        """Called by ``engine.destroy()`` (or when another engine wraps the same model): remove
+        hooks, close the offload devices the stage opened; the stage is not used afterwards."""
 
     # -- checkpoint participation (see dsplug.hookspecs)
     @hookimpl

@@ -108,6 +108,19 @@ class DeepSpeedZeroConfig(_Parsed):
         "module_granularity_threshold": "stage3_module_granularity_threshold",
     }
 
+    def __init__(self, data: Optional[Dict[str, Any]] = None, **kwargs):
+        super().__init__(data, **kwargs)
+        value = self._parsed.stage
+        if str(value) not in ("0", "1", "2", "3"):  # another stage must be an installed plugin
+            from dsplug.config.schema import Report
+            from dsplug.registry import get_registry
+
+            registry = get_registry()
+            if registry.find("zero_stage", str(value)) is None:
+                report = Report()
+                report.error(f"{self._path}.stage", registry.miss_message("zero_stage", str(value)))
+                report.raise_if_errors()
+
     @property
     def stage(self) -> ZeroStageEnum:
         """DeepSpeed's enum: 0-3 as written; another stage plugin's name answers its traits' number."""
