@@ -6,7 +6,9 @@
 For each (stage, device) a fresh process builds an MLP, trains it with ``offload_optimizer`` (and
 at stage 3 ``offload_param``) on that device (AdamW, so the CPU Adam steps the offloaded state),
 and reports the median time of ``--steps`` steps after one warm-up step and its peak resident
-set size (``ru_maxrss``), next to the RSS right after building the model. The baseline is device
+set size (``ru_maxrss``: anonymous memory plus the pages of mapped files it touched), next to
+the RSS right after building the model. ``sub_group_size`` is 2**23 elements (the swapped
+sub-groups of ``nvme``); ``offload_param`` keeps nothing resident (``max_in_cpu: 0``). The baseline is device
 ``cpu`` in the same run. Devices: ``cpu`` and ``nvme`` (dsplug's), ``mmap`` (registered from
 ``contrib/dsplug-mmap-offload`` when that distribution is not installed). Files go to ``--dir``
 (default: a temporary directory, removed afterwards).
@@ -47,7 +49,7 @@ def child(args) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     section = {"device": args.device, "nvme_path": args.dir}
-    zero = {"stage": args.stage, "offload_optimizer": dict(section), "sub_group_size": 10 ** 8}
+    zero = {"stage": args.stage, "offload_optimizer": dict(section), "sub_group_size": 2 ** 23}
     if args.stage == 3:
         zero["offload_param"] = dict(section, buffer_size=width * width, max_in_cpu=0)
     config = {"train_batch_size": 8, "zero_optimization": zero,
