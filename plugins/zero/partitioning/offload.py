@@ -192,8 +192,9 @@ class SplitOptimizer(torch.optim.Optimizer):
 # ------------------------------------------------------------------------------ state in a device
 class PlacedState:
     """A CPU optimizer's element-wise state (``STATE_KEYS``) in a byte-addressable device: per
-    param group and state, one stored flat tensor whose slices are the views' state, created as
-    the optimizer would create it (``_init_state``: zeros, Adagrad's initial accumulator).
+    param group and state, one stored flat tensor whose slices are the views' state, filled with
+    what the optimizer's ``_init_state`` starts an element at (zeros; Adagrad's initial
+    accumulator), probed on a one-element tensor so no parameter-sized temporary is made.
 
     Loading a checkpoint replaces the optimizer's state tensors with new ones; :meth:`rehome`
     copies them back into the stored tensors so the state stays where the section put it.
@@ -217,12 +218,17 @@ class PlacedState:
                     stored = device.allocate(f"{prefix}group{gi}_{key}", sum(v.numel() for v in views), dtype)
                     self.stored.append(stored)
                     flats[key] = device.tensor(stored)
+                probe = torch.empty(1, dtype=views[0].dtype)
+                start = optimizer._init_state(probe, group)  # noqa: SLF001 - the optimizer's own initial state
+                optimizer.state.pop(probe, None)
+                for key in keys:
+                    flats[key].copy_(start[key].reshape(-1)[0])
                 offset = 0
                 for view in views:
-                    state = optimizer._init_state(view, group)  # noqa: SLF001 - the optimizer's own initial state
+                    state = optimizer.state[view]
+                    state.update({k: v for k, v in start.items() if k not in keys})
                     for key in keys:
                         piece = flats[key][offset:offset + view.numel()].view(view.shape)
-                        piece.copy_(state[key])
                         state[key] = piece
                         self.slices[(id(view), key)] = piece
                     offset += view.numel()
