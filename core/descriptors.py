@@ -75,6 +75,9 @@ class PluginSpec:
               not the config has the plugin's section, so give DeepSpeed's values for an absent
               one too. ``dsplug.runtime.config.DeepSpeedConfig`` sets them; the kernel answers
               only its own keys.
+    traits:   what the plugin does, declared for config checks without building it: a
+              ``zero_stage``'s :class:`dsplug.contracts.ZeroStageTraits`, an ``offload_device``'s
+              capabilities (a frozenset, see :mod:`dsplug.contracts.offload`).
     """
 
     category: str = attrs.field(validator=attrs.validators.in_(CATEGORIES))
@@ -91,6 +94,7 @@ class PluginSpec:
     priority: int = 0
     states_per_param: Optional[int] = None
     deepspeed_config: Optional[Callable[[Any], Dict[str, Any]]] = None
+    traits: Any = None
 
     def names(self) -> Tuple[str, ...]:
         return (self.name,) + self.aliases

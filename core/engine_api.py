@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
+from .contracts.zero_stage import traits_of
+
 
 class DeepSpeedAccessors:
     # ------------------------------------------------------------------ batch
@@ -75,10 +77,11 @@ class DeepSpeedAccessors:
 
     # ------------------------------------------------------------------ ZeRO
     def zero_optimization_stage(self) -> int:
-        return self.stage.stage
+        """DeepSpeed's number of the stage (0-3), from its traits (:class:`dsplug.contracts.ZeroStageTraits`)."""
+        return traits_of(self.stage).zero_optimization_stage()
 
     def zero_optimization(self) -> bool:
-        return self.stage.stage > 0
+        return self.zero_optimization_stage() > 0
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's accessor)."""

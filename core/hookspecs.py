@@ -107,19 +107,23 @@ class CategorySpecs:
     @hookspec
     def dsplug_zero_stages(self):
         """ZeRO stages, selected by the section spec whose ``selects`` is ``("zero_stage", field)``
-        (``zero_optimization.stage``).
+        (``zero_optimization.stage``: DeepSpeed's 0-3 or any registered name).
 
         ``factory(module, param_groups, build_optimizer, precision, section, context) ->
         dsplug.contracts.ZeroStage``. ``build_optimizer(groups)`` builds the configured (or client)
         optimizer over the groups the stage chooses. The stage owns the path gradients -> update
-        -> weights, and the module's and optimizer's checkpoint state.
+        -> weights, and the module's and optimizer's checkpoint state. Give the spec
+        ``traits=dsplug.contracts.ZeroStageTraits(...)``: what it partitions and offloads, read by
+        config checks without building it.
         """
 
     @hookspec
     def dsplug_offload_devices(self):
         """Offload targets, selected by ``offload_optimizer.device`` / ``offload_param.device``.
 
-        ``factory(section, context) -> dsplug.contracts.OffloadDevice``. ZeRO stages build them.
+        ``factory(section, context) -> dsplug.contracts.OffloadDevice``: storage (allocate, read,
+        write, prefetch, free) with declared capabilities; ZeRO stages build and use them. Make the
+        factory the device class (or give ``traits=`` its capabilities) so config checks see them.
         """
 
     @hookspec

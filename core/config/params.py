@@ -88,10 +88,20 @@ def selected_optimizer_type(config) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def zero_stage(config) -> int:
-    """``zero_optimization.stage`` (0 when the section or the stage is absent)."""
+def zero_stage(config):
+    """``zero_optimization.stage`` as configured, for messages (0 when absent): DeepSpeed's number
+    or the name of a stage plugin."""
     stage = value_of(section_of(config, "zero_optimization"), "stage")
-    try:
-        return int(stage) if stage is not None and not isinstance(stage, bool) else 0
-    except (TypeError, ValueError):
-        return 0  # a malformed stage is the zero section schema's error to report
+    return 0 if stage is None or isinstance(stage, bool) else stage
+
+
+def partitions_optimizer_states(config) -> bool:
+    """Whether the selected ZeRO stage steps flat slices of the optimizer state (its traits say:
+    DeepSpeed's 1-3 do, 0 does not). ``config``: a parsed config, or a plain dict (DeepSpeed's
+    numbers only)."""
+    if hasattr(config, "selection"):
+        from ..contracts.zero_stage import selected_traits
+
+        traits = selected_traits(config)
+        return traits is not None and traits.partitions_optimizer_states
+    return str(zero_stage(config)) in ("1", "2", "3")

@@ -13,7 +13,7 @@ optimizer          a ``torch.optim.Optimizer``            via the ZeRO stage (:c
 scheduler          :class:`LRScheduler`                   ``step()`` per applied step
 precision          :class:`Precision`                     loss scaling, autocast, overflow
 zero_stage         :class:`ZeroStage`                     backward hooks, ``step()``, state
-offload_device     :class:`OffloadDevice`                 (the ZeRO stage does) storage and I/O
+offload_device     :class:`OffloadDevice`                 (the ZeRO stage does) allocate, read, write
 monitor            :class:`Monitor`                       ``write_events`` per step
 observer           :class:`Observer`                      lifecycle hooks
 compression        :class:`CompressionMethod`             ``compress(model)``, per-step schedule
@@ -25,10 +25,11 @@ from ..accelerator import Accelerator
 from .checkpoint import CheckpointView, LoadOptions, SaveOptions
 from .compression import CompressionMethod
 from .observer import Monitor, Observer
-from .offload import OffloadDevice
+from .offload import BYTE_ADDRESSABLE, NEEDS_SWAP_BUFFERS, OffloadDevice, OffloadError, Stored, Work
 from .optim import LRScheduler, Optimizer
 from .precision import Precision
-from .zero_stage import ZeroStage
+from .zero_stage import ZeroStage, ZeroStageTraits
 
-__all__ = ["Accelerator", "CheckpointView", "CompressionMethod", "LoadOptions", "LRScheduler", "Monitor",
-           "Observer", "OffloadDevice", "Optimizer", "Precision", "SaveOptions", "ZeroStage"]
+__all__ = ["Accelerator", "BYTE_ADDRESSABLE", "CheckpointView", "CompressionMethod", "LoadOptions", "LRScheduler",
+           "Monitor", "NEEDS_SWAP_BUFFERS", "Observer", "OffloadDevice", "OffloadError", "Optimizer", "Precision",
+           "SaveOptions", "Stored", "Work", "ZeroStage", "ZeroStageTraits"]

@@ -1,15 +1,109 @@
-"""The ZeRO stage contract: the path from gradients to updated weights, and its state."""
+"""The ZeRO stage contract: the path from gradients to updated weights, and its state.
+
+**Who implements it**: a ``zero_stage`` plugin. Its hook ``dsplug_zero_stages`` returns
+``PluginSpec(category="zero_stage", name=..., factory=..., traits=ZeroStageTraits(...))``; the
+name is what ``zero_optimization.stage`` selects (DeepSpeed's 0-3 are the built-ins' names, any
+other string selects a third-party stage). ``factory(module, param_groups, build_optimizer,
+precision, section, context)`` returns a :class:`ZeroStage`.
+
+**Who calls it**: the engine (each micro-step, each optimizer step, checkpoints, teardown) and,
+through :class:`ZeroStageTraits`, everything that asks what the selected stage does (config rules
+of other plugins, ``engine.zero_optimization_stage()`` that Hugging Face reads).
+
+``dsplug.testing.ZeroStageContract`` is the suite a stage runs against itself.
+"""
 from __future__ import annotations
 
 import abc
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
+
+import attrs
 
 from ..hookspecs import hookimpl
 
 
 class ZeroStageError(RuntimeError):
     """A stage was asked for something it does not provide."""
+
+
+def _capabilities(value):
+    return None if value is None else frozenset(value)
+
+
+@attrs.frozen
+class ZeroStageTraits:
+    """What a stage does, declared without building it (``PluginSpec.traits``, read by config
+    checks) and by the built stage (:attr:`ZeroStage.traits`, read by the engine). Give both the
+    same object.
+
+    ``deepspeed_stage``: DeepSpeed's number (0-3) when the stage behaves as that stage does for
+    callers that branch on it (Hugging Face's ``zero_optimization_stage() == 3`` gathers with
+    ``dsplug.zero.GatheredParameters``); None for a stage of its own kind, which then answers
+    :meth:`zero_optimization_stage` from what it partitions.
+
+    ``partitions_optimizer_states`` / ``partitions_gradients`` / ``partitions_parameters``: each
+    rank keeps only its slice of these. A stage that partitions optimizer states steps flat
+    slices, which an optimizer that looks at whole tensors (LAMB's trust ratio, 1-bit Adam's
+    compression) cannot use; a stage that partitions parameters does not hold full weights
+    between forwards.
+
+    ``offload_optimizer`` / ``offload_param``: None when the stage ignores that offload section
+    (a config that sets its device is refused); else the device capabilities
+    (:data:`dsplug.contracts.offload.BYTE_ADDRESSABLE` ...) it needs, empty for any device.
+    ``offload_ratio``: it honours ``offload_optimizer.ratio`` < 1 (part of the step on the
+    accelerator).
+    """
+
+    deepspeed_stage: Optional[int] = None
+    partitions_optimizer_states: bool = False
+    partitions_gradients: bool = False
+    partitions_parameters: bool = False
+    offload_optimizer: Optional[FrozenSet[str]] = attrs.field(default=None, converter=_capabilities)
+    offload_param: Optional[FrozenSet[str]] = attrs.field(default=None, converter=_capabilities)
+    offload_ratio: bool = False
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's number: ``deepspeed_stage``, else 3 / 2 / 1 / 0 by what is partitioned."""
+        if self.deepspeed_stage is not None:
+            return int(self.deepspeed_stage)
+        return 3 if self.partitions_parameters else 2 if self.partitions_gradients else \
+            1 if self.partitions_optimizer_states else 0
+
+    @property
+    def partitions_anything(self) -> bool:
+        return self.partitions_optimizer_states or self.partitions_gradients or self.partitions_parameters
+
+
+#: what a stage that declares nothing is taken to be: plain data parallel, no offload
+NO_TRAITS = ZeroStageTraits()
+
+
+def traits_of_spec(provided) -> ZeroStageTraits:
+    """The traits a registered ``zero_stage`` declares: its spec's ``traits``, else its factory's
+    when that is a :class:`ZeroStage` class, else :data:`NO_TRAITS`."""
+    traits = getattr(provided.spec, "traits", None)
+    if traits is None and isinstance(provided.spec.factory, type):
+        traits = getattr(provided.spec.factory, "traits", None)
+    return traits if isinstance(traits, ZeroStageTraits) else NO_TRAITS
+
+
+def selected_traits(config) -> Optional[ZeroStageTraits]:
+    """The traits of the stage ``config`` (a :class:`dsplug.config.DsplugConfig`) selects; None
+    when the selected stage is not installed (the ``zero_optimization`` rules report that)."""
+    from ..registry import PluginNotFoundError
+
+    try:
+        provided, _ = config.selection("zero_stage")
+    except PluginNotFoundError:
+        return None
+    return traits_of_spec(provided)
+
+
+def traits_of(stage) -> ZeroStageTraits:
+    """A built stage's traits (:data:`NO_TRAITS` for an object that declares none)."""
+    traits = getattr(stage, "traits", None)
+    return traits if isinstance(traits, ZeroStageTraits) else NO_TRAITS
 
 
 class ZeroStage(abc.ABC):
@@ -23,10 +117,11 @@ class ZeroStage(abc.ABC):
     logger sees them) and must leave the model's parameters holding the updated weights (or,
     when partitioned, able to gather them for the next forward).
 
-    Attributes the engine reads: ``stage`` (the number, DeepSpeed's
-    ``zero_optimization_stage()``), ``module``, ``optimizer`` (what ``engine.optimizer`` returns;
-    schedulers set ``lr`` on its groups), ``last_grad_norm`` (global norm before clipping of the
-    last step, or None when nothing needed it).
+    Attributes the engine reads: ``traits`` (a :class:`ZeroStageTraits`, class attribute: what it
+    partitions and offloads; ``engine.zero_optimization_stage()`` answers from it), ``stage``
+    (its name or number, for messages), ``module``, ``optimizer`` (what ``engine.optimizer``
+    returns; schedulers set ``lr`` on its groups), ``last_grad_norm`` (global norm before clipping
+    of the last step, or None when nothing needed it).
 
     Clipping uses ``context.config.kernel.gradient_clipping`` (coefficient ``clip/(norm+1e-6)``
     when ``norm > clip``) after ``precision.unscale_``; overflow is ``not isfinite(norm)`` when
@@ -37,43 +132,55 @@ class ZeroStage(abc.ABC):
     under ``"stage"``. ``docs/zero-stages.md`` documents the partitioned layout.
     """
 
-    stage: int = -1
+    traits: ZeroStageTraits = NO_TRAITS
+    stage: Any = -1
     module: Any = None
     optimizer: Any = None
     last_grad_norm: Optional[float] = None
 
     def before_backward(self, is_boundary: bool) -> None:
-        """A micro-step's backward is about to run."""
+        """Called by ``engine.backward(loss)`` just before autograd's backward, every micro-step.
+        ``is_boundary``: this micro-step ends the accumulation window (and the caller did not
+        pass ``allreduce_gradients=False``), so its gradients are the ones to reduce over ranks."""
 
     def after_backward(self) -> None:
-        """Autograd's backward returned (start or finish reductions here)."""
+        """Called by ``engine.backward(loss)`` right after autograd's backward returned, every
+        micro-step: finish (or start) the reductions of this micro-step's gradients."""
 
     @abc.abstractmethod
     def step(self) -> bool:
-        """Reduce, unscale, check, clip, update, write weights back; False when skipped."""
+        """Called by ``engine.step()`` at each accumulation boundary: reduce what is left,
+        ``precision.unscale_``, take the global norm (set ``last_grad_norm``), check overflow
+        and tell ``precision.update_scale``, clip, run the optimizer, write the weights back,
+        drop the gradients. Returns False when an overflow skipped the update."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
-        """Drop accumulated gradients."""
+        """Called by ``engine.zero_grad()`` (and after skipped steps): drop accumulated gradients."""
 
     @abc.abstractmethod
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer and master-weight state."""
+        """Called on every rank by ``save_checkpoint``: this rank's optimizer and master-weight
+        state, saved under ``"stage"`` in this rank's file (tensors, dicts, lists, numbers)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: Dict[str, Any], load_optimizer_states: bool = True,
                         saved_world_size: Optional[int] = None,
                         read_rank: Optional[Callable[[int], Dict[str, Any]]] = None) -> None:
-        """Restore; ``read_rank(r)`` returns rank ``r``'s saved :meth:`state_dict`, so state saved
-        with N ranks can be re-sliced for this run's M."""
+        """Called on every rank by ``load_checkpoint`` (after the module) with this rank's saved
+        :meth:`state_dict`. ``load_optimizer_states``: False restores master weights only;
+        ``saved_world_size``: the data-parallel size that saved it; ``read_rank(r)`` returns rank
+        ``r``'s saved :meth:`state_dict`, so state saved with N ranks can be re-sliced for M."""
 
     @abc.abstractmethod
     def module_state_dict(self) -> Dict[str, Any]:
-        """The FULL module state dict. A collective when partitioned: every rank calls it."""
+        """The FULL module state dict (``save_checkpoint``'s shared file, ``save_16bit_model``,
+        Hugging Face's consolidated weights). A collective when partitioned: every rank calls it."""
 
     @abc.abstractmethod
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full module state dict (re-partitioning it if needed)."""
+        """Called by ``load_checkpoint`` with the shared file's ``"module"``: load a full module
+        state dict (each rank keeps its part when partitioned); ``strict`` as torch's."""
 
     def refresh_master_from_model(self) -> None:
         """After a module-only load: master weights := the module's weights."""
@@ -127,7 +234,8 @@ class ZeroStage(abc.ABC):
         raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not report its memory")
 
     def close(self) -> None:
-        """Remove hooks; the stage is not used afterwards."""
+        """Called by ``engine.destroy()`` (or when another engine wraps the same model): remove
+        hooks, close the offload devices the stage opened; the stage is not used afterwards."""
 
     # -- checkpoint participation (see dsplug.hookspecs)
     @hookimpl

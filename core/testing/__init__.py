@@ -11,7 +11,8 @@ Two layers, both public:
 * **contract suites** (:mod:`dsplug.testing.suites`, pytest base classes):
   :class:`OptimizerContract`, :class:`SchedulerContract`, :class:`MonitorContract`,
   :class:`ObserverContract`, :class:`PrecisionContract`, :class:`CompressionContract`,
-  :class:`SectionContract`.
+  :class:`SectionContract`; and (:mod:`dsplug.testing.stage_suites`) :class:`ZeroStageContract`,
+  :class:`OffloadDeviceContract`, :class:`AcceleratorContract`.
   Subclass one in a ``Test*`` class, set ``plugin_name`` and ``section``, and pytest runs the
   category's checks against your plugin::
 
@@ -46,10 +47,11 @@ from .harness import (
 
 _SUITES = ("PluginContract", "OptimizerContract", "SchedulerContract", "MonitorContract", "ObserverContract",
            "PrecisionContract", "CompressionContract", "SectionContract")
+_STAGE_SUITES = ("ZeroStageContract", "OffloadDeviceContract", "AcceleratorContract")
 
 __all__ = ["BASE_CONFIG", "assert_state_equal", "contract_problems", "default_optimizer", "has_state",
            "lifecycle_hooks_of", "make_registry", "merge", "plugin_state", "save_and_load", "tiny_batch",
-           "tiny_config", "tiny_engine", "tiny_loss", "tiny_model", "train_steps", *_SUITES]
+           "tiny_config", "tiny_engine", "tiny_loss", "tiny_model", "train_steps", *_SUITES, *_STAGE_SUITES]
 
 
 def __getattr__(name):
@@ -58,4 +60,8 @@ def __getattr__(name):
         from . import suites
 
         return getattr(suites, name)
+    if name in _STAGE_SUITES:
+        from . import stage_suites
+
+        return getattr(stage_suites, name)
     raise AttributeError(f"module 'dsplug.testing' has no attribute {name!r}")

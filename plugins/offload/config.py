@@ -1,5 +1,6 @@
-"""The ``aio`` section (DeepSpeed's asynchronous I/O settings for NVMe offload) and the config
-rules of the offload plugins. Cheap to import: no torch."""
+"""The ``aio`` section (DeepSpeed's asynchronous I/O settings for NVMe offload) and the ``nvme``
+device's config rule. Cheap to import: no torch. (Which ZeRO stage offloads what to which kind
+of device is the ZeRO stages' to say: ``plugins/zero/config.py`` checks it from their traits.)"""
 from __future__ import annotations
 
 from dsplug.config.schema import field, schema
@@ -26,30 +27,16 @@ class AioConfig:
 
 
 # ------------------------------------------------------------------------------------- rules
-def _zero(config):
-    return config.sections.get("zero_optimization")
-
-
-def optimizer_offload_stages(config, report) -> None:
-    """As in DeepSpeed: optimizer offload to ``cpu`` at stages 1-3; ``nvme`` and ``ratio`` < 1 at stage 3."""
-    zero = _zero(config)
+def nvme_needs_a_path(config, report) -> None:
+    """``device: "nvme"`` needs ``nvme_path``: the directory of its swap files (no guessed default)."""
+    zero = config.sections.get("zero_optimization")
     if zero is None:
         return
-    section = zero.offload_optimizer
-    if section.device not in ("cpu", "nvme"):
-        return
-    if zero.stage == 0:
-        report.error("zero_optimization.offload_optimizer.device",
-                     f"{section.device!r} needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0: there is no "
-                     "partitioned optimizer state to offload)")
-    elif zero.stage in (1, 2) and section.device == "nvme":
-        report.error("zero_optimization.offload_optimizer.device",
-                     f"'nvme' needs ZeRO stage 3 (zero_optimization.stage is {zero.stage}); stages 1 and 2 offload "
-                     "the optimizer to 'cpu'")
-    elif zero.stage in (1, 2) and section.ratio < 1.0:
-        report.error("zero_optimization.offload_optimizer.ratio",
-                     f"{section.ratio}: a partial offload needs ZeRO stage 3 (zero_optimization.stage is "
-                     f"{zero.stage}); leave ratio at 1")
+    for key in ("offload_param", "offload_optimizer"):
+        section = getattr(zero, key, None)
+        if section is not None and section.device == "nvme" and not section.nvme_path:
+            report.error(f"zero_optimization.{key}.nvme_path", "device 'nvme' needs nvme_path: the directory "
+                         "for the swap files")
 
 
-RULES = (optimizer_offload_stages,)
+RULES = (nvme_needs_a_path,)

@@ -1,47 +1,30 @@
-"""Registers the offload devices ``none``, ``cpu`` and ``nvme`` (category ``offload_device``).
+"""Registers the offload devices ``none``, ``cpu`` and ``nvme`` (category ``offload_device``;
+hooks only, cheap to import).
 
-The ``nvme`` plugin owns the top-level ``aio`` section; the ``dsplug nvme-tune`` command
-(:mod:`.nvme_tune`) finds good values for it. Factories are called by the ZeRO stages as
-``factory(offload_section, context)`` (the parsed ``offload_param`` or ``offload_optimizer``) and
-return a device object (:mod:`.devices`). Cheap to import.
+Each is pure storage (:mod:`.devices`, :class:`dsplug.contracts.OffloadDevice`); the factories are
+the device classes, so config checks read their capabilities without building one. The ``nvme``
+plugin owns the top-level ``aio`` section; the ``dsplug nvme-tune`` command (:mod:`.nvme_tune`)
+finds good values for it.
 """
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
 
 from .config import RULES, AioConfig
-
-
-def build_none(config, context):
-    from .devices import NoOffload
-
-    return NoOffload(config, context)
-
-
-def build_cpu(config, context):
-    from .devices import CpuOffload
-
-    return CpuOffload(config, context)
-
-
-def build_nvme(config, context):
-    from .devices import NvmeOffload
-
-    return NvmeOffload(config, context)
+from .devices import CpuOffload, NoOffload, NvmeOffload
 
 
 @hookimpl
 def dsplug_offload_devices():
     return [
-        PluginSpec(category="offload_device", name="none", factory=build_none,
+        PluginSpec(category="offload_device", name="none", factory=NoOffload,
                    summary="no offloading: partitions, master weights and optimizer states stay on the accelerator"),
-        PluginSpec(category="offload_device", name="cpu", factory=build_cpu, ops=("cpu_adam",), rules=RULES,
-                   summary="ZeRO-Offload: optimizer states and step (stages 1-3), parameter partitions (stage 3) "
-                           "in host memory"),
-        PluginSpec(category="offload_device", name="nvme", factory=build_nvme, section="aio", schema=AioConfig,
-                   ops=("async_io", "cpu_adam"),
-                   summary="ZeRO-Infinity: optimizer states / parameter partitions in swap files under nvme_path, "
-                           "read and written through async I/O (owns the 'aio' section)"),
+        PluginSpec(category="offload_device", name="cpu", factory=CpuOffload, ops=("cpu_adam",),
+                   summary="ZeRO-Offload: host memory (byte-addressable; page-locked with pin_memory)"),
+        PluginSpec(category="offload_device", name="nvme", factory=NvmeOffload, section="aio", schema=AioConfig,
+                   ops=("async_io", "cpu_adam"), rules=RULES,
+                   summary="ZeRO-Infinity: swap files under nvme_path read and written through async I/O "
+                           "(needs swap buffers; owns the 'aio' section)"),
     ]
 
 

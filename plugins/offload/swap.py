@@ -13,8 +13,7 @@ checked reads and writes through the async_io op, and a pool of aligned host buf
   in flight, and the writes of one sub-group can be waited for while the next one's continue). Every read first checks
   that the file has exactly the bytes last written to it; with ``DSPLUG_DEBUG_SWAP=1`` the CRC-32
   of the bytes read must also equal the CRC-32 of the bytes written.
-* :class:`BufferPool` — ``count`` page-aligned buffers (page-locked where possible) handed out and
-  returned.
+Swap buffers (aligned, page-locked) come from :meth:`.devices.NvmeOffload.swap_buffer`.
 """
 from __future__ import annotations
 
@@ -29,14 +28,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from dsplug.contracts.offload import OffloadError
+
 DEBUG_ENV = "DSPLUG_DEBUG_SWAP"
 SWAP_DIR_PREFIX = "dsplug-"
 #: The file in each private swap directory naming the process that owns it (JSON).
 OWNER_FILE = ".dsplug-owner.json"
 
 
-class SwapError(RuntimeError):
-    """A swap directory is unusable (missing, not writable, too small)."""
+#: the offload contract's error: a swap directory is unusable (missing, not writable, too small)
+SwapError = OffloadError
 
 
 class SwapCorruptionError(SwapError):
@@ -412,56 +413,5 @@ def _aio_settings(aio_config) -> tuple:
             bool(aio_config.overlap_events), int(aio_config.thread_count))
 
 
-class BufferPool:
-    """``count`` host buffers of ``numel`` elements of ``dtype``, 4 KiB-aligned (O_DIRECT) and
-    page-locked where possible (through the accelerator with ``pin``, else mlock)."""
-
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, accelerator=None, pin: bool = False):
-        from dsplug.op_builder import AsyncIOBuilder
-
-        self.count, self.numel, self.dtype = int(count), int(numel), dtype
-        handle = AsyncIOBuilder().load().aio_handle()
-        example = torch.empty(0, dtype=dtype)
-        self._buffers = []
-        for _ in range(self.count):
-            buf = handle.new_cpu_locked_tensor(max(1, self.numel), example)
-            if pin and accelerator is not None and getattr(accelerator, "name", "cpu") != "cpu":
-                buf = accelerator.pin_memory(buf)
-            self._buffers.append(buf)
-        self._free = list(range(self.count))
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def take(self) -> torch.Tensor:
-        if not self._free:
-            raise SwapError(f"all {self.count} swap buffers are in use")
-        return self._buffers[self._free.pop(0)]
-
-    def give(self, buffer: torch.Tensor) -> None:
-        for i, b in enumerate(self._buffers):
-            if b.data_ptr() == buffer.data_ptr():
-                if i in self._free:
-                    raise SwapError("a swap buffer was returned twice")
-                self._free.append(i)
-                return
-        raise SwapError("returned a tensor that is not one of the pool's buffers")
-
-    def nbytes(self) -> int:
-        return self.count * max(1, self.numel) * torch.empty(0, dtype=self.dtype).element_size()
-
-
-def placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A stand-in for a tensor swapped out to a file: right numel and dtype, no memory. Reading it
-    (``.to()``, ``.cpu()``, arithmetic with real tensors) raises; writes must go through the swapper."""
-    return torch.empty(numel, dtype=dtype, device="meta")
-
-
-def is_placeholder(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "meta"
-
-
-__all__ = ["SwapDir", "SwapFiles", "BufferPool", "SwapError", "SwapCorruptionError", "check_swap_path",
-           "available_bytes", "placeholder", "is_placeholder", "DEBUG_ENV", "OWNER_FILE", "reclaim_stale_swap_dirs",
-           "current_owner", "read_owner", "owner_is_dead"]
+__all__ = ["SwapDir", "SwapFiles", "SwapError", "SwapCorruptionError", "check_swap_path", "available_bytes",
+           "DEBUG_ENV", "OWNER_FILE", "reclaim_stale_swap_dirs", "current_owner", "read_owner", "owner_is_dead"]

@@ -117,7 +117,7 @@ class OneBitOptimizer(torch.optim.Optimizer, abc.ABC):
     """
 
     #: ZeRO stages 1-3 hand an optimizer flat slices mixing parameters: these compress and scale
-    #: whole tensors, so they are refused there (the ZeRO stages' optimizer check reads this)
+    #: whole tensors, so they are refused there (see dsplug.plugins.zero.partitioning.checks)
     dsplug_elementwise = False
     #: the name in messages
     NAME = "OneBit"

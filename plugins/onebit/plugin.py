@@ -25,7 +25,15 @@ from __future__ import annotations
 from typing import Tuple
 
 from dsplug import PluginSpec, hookimpl
-from dsplug.config.params import betas_check, cross_checks, given, options_of, selected_optimizer_type, zero_stage
+from dsplug.config.params import (
+    betas_check,
+    cross_checks,
+    given,
+    options_of,
+    partitions_optimizer_states,
+    selected_optimizer_type,
+    zero_stage,
+)
 from dsplug.config.schema import MAX_LR, field, schema
 
 #: the checkpoint key of each rank's own 1-bit state (in that rank's file)
@@ -165,7 +173,7 @@ def stage0_only(type_name: str):
         if chosen is None or chosen.strip().lower() != key:
             return
         stage = zero_stage(config)
-        if stage > 0:
+        if partitions_optimizer_states(config):
             name, why = _WHOLE_TENSORS[key]
             report.error("optimizer.type", f"{name} {why}; use zero_optimization.stage 0 (it is {stage}: at stages "
                                            "1-3 each rank steps a flat slice of the parameters)")

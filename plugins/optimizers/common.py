@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable
 
-from dsplug.config.params import section_of, selected_optimizer_type, value_of, zero_stage
+from dsplug.config.params import partitions_optimizer_states, section_of, selected_optimizer_type, value_of, zero_stage
 
 #: The top-level key that lets ZeRO run an optimizer DeepSpeed has not tested with it.
 ALLOW_UNTESTED_KEY = "zero_allow_untested_optimizer"
@@ -46,7 +46,7 @@ def untested_with_zero(names: Iterable[str], described_as: str, tested_when_offl
         if tested_when_offloaded and optimizer_offloaded(config):
             return
         stage = zero_stage(config)
-        if stage > 0 and not allows_untested_optimizer(config):
+        if partitions_optimizer_states(config) and not allows_untested_optimizer(config):
             report.error(
                 "optimizer.type",
                 f"{chosen!r} ({described_as}) is not tested with ZeRO and zero_optimization.stage "

@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 from dsplug import PluginSpec, hookimpl
 from dsplug.config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, field, schema
+from dsplug.contracts.zero_stage import selected_traits
 
 
 def _static_loss_scale(value):
@@ -146,7 +147,8 @@ def one_precision_mode(config, report) -> None:
     amp = config.sections.get("amp")
     if amp is not None and amp.enabled is True:
         zero = config.sections.get("zero_optimization")
-        if zero is not None and zero.stage not in (0, "auto"):
+        traits = selected_traits(config) if zero is not None and zero.stage != "auto" else None
+        if traits is not None and traits.partitions_anything:
             report.error("amp.enabled", f"amp cannot be combined with ZeRO (zero_optimization.stage is {zero.stage}); "
                          "use the fp16 or bf16 section with ZeRO")
         if amp.opt_level in ("O2", "O3"):

@@ -323,7 +323,7 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
         comm.destroy_process_group()
         return EXIT_INTERRUPTED
     monitor_dirs = [(o.section, o.log_dir) for o in engine.observers if getattr(o, "log_dir", None)]
-    full_weights = engine.zero_optimization_stage() < 3  # stage 3 keeps only a slice on each rank
+    full_weights = not engine.stage.traits.partitions_parameters  # stage 3 keeps only a slice on each rank
     engine.destroy()  # closes (flushes) the monitors' files
     if rank == 0:
         held, sample = None, None

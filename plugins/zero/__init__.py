@@ -1,87 +1,15 @@
-"""ZeRO: the ``zero_optimization`` section and the stage plugins sharing one partitioning core.
+"""ZeRO (``zero_optimization``): the section, the stages 0-3, and what they share.
 
-This module (entry point ``zero``) registers:
+Entry points (each module holds hooks only):
 
-* the ``zero_optimization`` section, whose ``stage`` field selects the ``zero_stage`` plugin
-  (``selects=("zero_stage", "stage")``), and stage 0 (:mod:`.stage0`); stages 1/2 and 3 register
-  from :mod:`.stage12` and :mod:`.stage3.plugin`;
-* the model-state memory estimate of ``dsplug config explain --params`` (:mod:`.memory`);
-* the ``"auto"`` values derived from the model's hidden size (Hugging Face's convention);
-* the partitioned checkpoint format's offline tools (:mod:`.zero_to_fp32`): the import paths
-  ``dsplug.utils.zero_to_fp32`` / ``dsplug.zero_to_fp32`` and the ``dsplug zero-to-fp32`` command;
-* DeepSpeed's config model names at ``dsplug.runtime.zero.config`` (:mod:`.ds_config`).
+* :mod:`.plugin`         the ``zero_optimization`` section (schema :mod:`.config`), memory
+  estimates (:mod:`.memory`), ``"auto"`` values, ``dsplug zero-to-fp32`` (:mod:`.cli`), DeepSpeed's
+  config names (:mod:`.ds_config`)
+* :mod:`.stage0.plugin`  stage ``"0"``: data parallel with gradient buckets
+* :mod:`.stage12.plugin` stages ``"1"`` and ``"2"``: flat partitions of optimizer state (and gradients)
+* :mod:`.stage3.plugin`  stage ``"3"``: parameters partitioned too, ``dsplug.zero`` (Init, ...), ZeRO++
+
+Shared by the stages: :mod:`.partitioning` (layouts, gradient clipping, the optimizer checks,
+state in offload devices through the storage contract) and :mod:`.checkpoint` (the partitioned
+checkpoint format, DeepSpeed's format, zero_to_fp32). A stage imports these, never another stage.
 """
-from __future__ import annotations
-
-from dsplug import PluginSpec, hookimpl
-from dsplug.descriptors import ApiModule
-
-from .config import RULES, ZeroConfig
-from .ds_config import deepspeed_config_attributes
-
-#: ``"auto"`` keys derived from the model's hidden size h, as DeepSpeed's Hugging Face integration does
-HIDDEN_SIZE_RULES = {
-    "zero_optimization.reduce_bucket_size": lambda h: h * h,
-    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
-}
-
-
-def build_stage0(module, param_groups, build_optimizer, precision, zero_config, context):
-    from .stage0 import DataParallelStage, refuse_partitioned_params
-
-    refuse_partitioned_params(module, 0)
-    return DataParallelStage(module, param_groups, build_optimizer, precision, zero_config, context.config.kernel,
-                             context)
-
-
-@hookimpl
-def dsplug_zero_stages():
-    return [
-        PluginSpec(category="zero_stage", name="0", factory=build_stage0,
-                   summary="plain data parallel: all-reduce of gradients overlapped with backward"),
-    ]
-
-
-@hookimpl
-def dsplug_config_sections():
-    return [
-        PluginSpec(
-            category="section",
-            name="zero_optimization",
-            section="zero_optimization",
-            schema=ZeroConfig,
-            rules=RULES,
-            selects=("zero_stage", "stage"),
-            deepspeed_config=deepspeed_config_attributes,
-            summary="ZeRO settings; zero_optimization.stage selects a zero_stage plugin",
-        )
-    ]
-
-
-@hookimpl
-def dsplug_estimate_model_state_bytes(num_params, world_size, config):
-    """Per-rank bytes of model states under the configured stage (see :mod:`.memory`)."""
-    from .memory import estimate_for_config
-
-    return estimate_for_config(num_params, world_size, config)
-
-
-@hookimpl
-def dsplug_auto_value(path, hidden_size):
-    rule = HIDDEN_SIZE_RULES.get(path)
-    return rule(int(hidden_size)) if rule is not None else None
-
-
-@hookimpl
-def dsplug_api_modules():
-    return [ApiModule("dsplug.utils.zero_to_fp32", "dsplug.plugins.zero.zero_to_fp32"),
-            ApiModule("dsplug.zero_to_fp32", "dsplug.plugins.zero.zero_to_fp32"),
-            ApiModule("dsplug.runtime.zero.config", "dsplug.plugins.zero.ds_config")]
-
-
-@hookimpl
-def dsplug_cli_commands():
-    from .cli import ZERO_TO_FP32
-
-    return [ZERO_TO_FP32]

@@ -1,6 +1,6 @@
 """``dsplug zero-to-fp32``: consolidate a partitioned ZeRO checkpoint into one fp32 state dict.
 
-Contributed to the ``dsplug`` command by :func:`dsplug.plugins.zero.dsplug_cli_commands`. Cheap to
+Contributed to the ``dsplug`` command by :func:`dsplug.plugins.zero.plugin.dsplug_cli_commands`. Cheap to
 import: torch is imported when the command runs.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from dsplug.checkpoint import CheckpointError
 
-    from .zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+    from .checkpoint.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
     try:
         convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output, tag=args.tag, progress=print)

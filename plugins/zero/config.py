@@ -9,11 +9,21 @@ Legacy forms accepted with a deprecation warning:
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import List, Optional, Union
 
 from dsplug.config.schema import field, is_auto, schema
 
 BIG = 10**9
+
+
+def _stage_value(value) -> Optional[str]:
+    """``stage``: DeepSpeed's 0-3, or the name of any installed ``zero_stage`` plugin (checked
+    against the registry by :func:`zero_stage_installed`)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
+        return f"{value!r} is not a ZeRO stage: give 0, 1, 2, 3 or the name of an installed zero_stage plugin"
+    if isinstance(value, str) and (not value or value != value.strip()):
+        return f"{value!r} is not a ZeRO stage name"
+    return None
 
 
 @schema
@@ -42,7 +52,9 @@ class OffloadOptimizerConfig:
 
 @schema
 class ZeroConfig:
-    stage: int = field(0, ge=0, le=3, doc="0 off; 1 optimizer states; 2 + gradients; 3 + parameters")
+    stage: Union[int, str] = field(0, check=_stage_value,
+                                   doc="0 off; 1 optimizer states; 2 + gradients; 3 + parameters; or the name of "
+                                       "another installed zero_stage plugin")
     allgather_partitions: bool = field(True, doc="all-gather updated partitions (else broadcasts)")
     allgather_bucket_size: int = field(5 * 10**8, ge=1, doc="elements all-gathered at a time")
     overlap_comm: bool = field(False, doc="overlap gradient reduction with backward (left out: true at stage 3, "
@@ -100,7 +112,7 @@ class ZeroConfig:
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if "overlap_comm" not in data and data.get("stage") == 3:
+        if "overlap_comm" not in data and str(data.get("stage")) == "3":
             data["overlap_comm"] = True  # DeepSpeed's default depends on the stage: on at 3, off below
         pin = data.pop("cpu_offload_use_pin_memory", None)
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
@@ -133,13 +145,13 @@ ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quanti
 
 
 def zeropp_rules(config, report) -> None:
-    """ZeRO++ (qwZ / qgZ / hpZ, :mod:`dsplug.plugins.zero.zeropp`) works at stage 3 only, as in
+    """ZeRO++ (qwZ / qgZ / hpZ, :mod:`dsplug.plugins.zero.stage3.zeropp`) works at stage 3 only, as in
     DeepSpeed; hpZ's partition size must divide the world size (when it is known here; the stage
     checks it again against the real one)."""
     zero = config.sections.get("zero_optimization")
     if zero is None:
         return
-    if not is_auto(zero.stage) and zero.stage != 3:
+    if not is_auto(zero.stage) and str(zero.stage) != "3":
         for key in ZEROPP_KEYS:
             value = getattr(zero, key)
             default = 1 if key == "zero_hpz_partition_size" else False
@@ -157,25 +169,64 @@ def zeropp_rules(config, report) -> None:
         report.error("zero_optimization.mics_shard_size", "MiCS is not available in dsplug yet; leave it at -1")
 
 
+def _either(names: List[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _stages_with(config, accepts) -> str:
+    """The installed stages whose traits ``accepts`` (names in order), for messages."""
+    from dsplug.contracts.zero_stage import traits_of_spec
+
+    names = [p.name for p in config.registry.all() if p.category == "zero_stage" and accepts(traits_of_spec(p))]
+    names.sort(key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n))
+    return _either(names) if names else "(none installed)"
+
+
 def offload_devices_installed(config, report) -> None:
+    """Each offload section names an installed device that the selected stage can use: the stage's
+    traits say which sections it honours and which device capabilities it needs."""
+    from dsplug.contracts.offload import capabilities_of
+    from dsplug.contracts.zero_stage import selected_traits
+
     zero = config.sections.get("zero_optimization")
     if zero is None:
         return
-    for key in ("offload_param", "offload_optimizer"):
+    traits = None if is_auto(zero.stage) else selected_traits(config)
+    for key, what in (("offload_param", "offloading parameters"), ("offload_optimizer", "offloading the optimizer")):
         section = getattr(zero, key)
         device = section.device
         if device == "none":
             continue
-        if config.registry.find("offload_device", device) is None:
+        provided = config.registry.find("offload_device", device)
+        if provided is None:
             report.error(f"zero_optimization.{key}.device", config.registry.miss_message("offload_device", device)
                          + " ('none' turns offload off)")
-            continue
-        if device == "nvme" and not section.nvme_path:
-            report.error(f"zero_optimization.{key}.nvme_path", "device 'nvme' needs nvme_path: the directory "
-                         "for the swap files")
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        report.error("zero_optimization.offload_param", f"offloading parameters needs stage 3 "
-                     f"(zero_optimization.stage is {zero.stage})")
+        if traits is None:
+            continue  # stage not installed (reported by zero_stage_installed) or "auto"
+        needs = getattr(traits, key)
+        capabilities = capabilities_of(provided) if provided is not None else None
+        if needs is None:
+            stages = _stages_with(config, lambda t: getattr(t, key) is not None)
+            if key == "offload_param":
+                report.error(f"zero_optimization.{key}", f"{what} needs stage {stages} "
+                             f"(zero_optimization.stage is {zero.stage})")
+            else:
+                report.error(f"zero_optimization.{key}.device",
+                             f"{device!r} needs ZeRO stage {stages} (zero_optimization.stage is {zero.stage}: it "
+                             "keeps no partitioned optimizer state to offload)")
+        elif capabilities is not None and not needs <= capabilities:
+            missing = ", ".join(sorted(needs - capabilities))
+            stages = _stages_with(config, lambda t: getattr(t, key) is not None and getattr(t, key) <= capabilities)
+            report.error(f"zero_optimization.{key}.device",
+                         f"{device!r} needs ZeRO stage {stages} (zero_optimization.stage is {zero.stage}, which "
+                         f"needs a {missing} device for {key}; {device!r} declares "
+                         f"{', '.join(sorted(capabilities)) or 'no capabilities'})")
+    section = zero.offload_optimizer
+    if traits is not None and section.device != "none" and section.ratio < 1.0 and traits.offload_optimizer is not None \
+            and not traits.offload_ratio:
+        report.error("zero_optimization.offload_optimizer.ratio",
+                     f"{section.ratio}: a partial offload needs ZeRO stage {_stages_with(config, lambda t: t.offload_ratio)} "
+                     f"(zero_optimization.stage is {zero.stage}); leave ratio at 1")
 
 
 def zero_stage_installed(config, report) -> None:

@@ -108,9 +108,31 @@ class DeepSpeedZeroConfig(_Parsed):
         "module_granularity_threshold": "stage3_module_granularity_threshold",
     }
 
+    def __init__(self, data: Optional[Dict[str, Any]] = None, **kwargs):
+        super().__init__(data, **kwargs)
+        value = self._parsed.stage
+        if str(value) not in ("0", "1", "2", "3"):  # another stage must be an installed plugin
+            from dsplug.config.schema import Report
+            from dsplug.registry import get_registry
+
+            registry = get_registry()
+            if registry.find("zero_stage", str(value)) is None:
+                report = Report()
+                report.error(f"{self._path}.stage", registry.miss_message("zero_stage", str(value)))
+                report.raise_if_errors()
+
     @property
     def stage(self) -> ZeroStageEnum:
-        return ZeroStageEnum(self._parsed.stage)
+        """DeepSpeed's enum: 0-3 as written; another stage plugin's name answers its traits' number."""
+        value = self._parsed.stage
+        if str(value) in ("0", "1", "2", "3"):
+            return ZeroStageEnum(int(value))
+        from dsplug.contracts.zero_stage import NO_TRAITS, traits_of_spec
+        from dsplug.registry import get_registry
+
+        provided = get_registry().find("zero_stage", str(value))
+        traits = traits_of_spec(provided) if provided is not None else NO_TRAITS
+        return ZeroStageEnum(traits.zero_optimization_stage())
 
     def _offload(self, key: str, cls):
         given = self._given.get(key)
@@ -157,8 +179,10 @@ def deepspeed_config_attributes(config) -> Dict[str, Any]:
     """DeepSpeed's ``DeepSpeedConfig`` attributes of the ``zero_optimization`` section
     (``PluginSpec.deepspeed_config``): the stage, whether ZeRO is on, and the section as DeepSpeed's
     ``DeepSpeedZeroConfig`` (parsed as given: an absent offload stays None)."""
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    stage = int(stage) if not isinstance(stage, str) else 0  # "auto" / a plugin's named stage: not DeepSpeed's 1-3
+    from dsplug.contracts.zero_stage import selected_traits
+
+    traits = selected_traits(config)  # a named stage plugin answers its traits' DeepSpeed number (0-3)
+    stage = traits.zero_optimization_stage() if traits is not None else 0
     section = config.raw.get("zero_optimization") or {}
     return {
         "zero_optimization_stage": stage,

@@ -48,15 +48,21 @@ DEFAULT_STATES_PER_PARAM = 2
 
 
 def estimate_for_config(num_params: int, world_size: int, config) -> Dict[str, Any]:
-    """The ``dsplug_estimate_model_state_bytes`` answer for a :class:`dsplug.DsplugConfig`.
+    """The ``dsplug_estimate_model_state_bytes`` answer for a :class:`dsplug.DsplugConfig` whose
+    stage is one of DeepSpeed's 0-3 (None for another stage: its plugin answers).
 
     Keys: ``"device"`` and ``"host"`` (as :func:`model_state_bytes`), ``"total"`` (both sides),
     ``"assumptions"`` (``stage``, ``mixed_precision``, ``optimizer_states_per_param``) and
     ``"summary"`` (the assumptions in words). 16-bit mixed precision is what the selected precision plugin
     builds: 16-bit parameters with fp32 master weights. The optimizer's states per parameter come
     from its spec's ``states_per_param``."""
+    from dsplug.contracts.zero_stage import selected_traits
+
     zero = config.section("zero_optimization")
-    stage = int(zero.stage) if zero is not None else 0
+    traits = selected_traits(config) if zero is not None else None
+    if zero is not None and (traits is None or traits.deepspeed_stage is None):
+        return None  # a stage of its own kind answers for itself (or nothing is installed for it)
+    stage = traits.zero_optimization_stage() if traits is not None else 0
     half = _half_precision(config, world_size)
     states = DEFAULT_STATES_PER_PARAM
     if config.optimizer is not None and config.optimizer.spec.states_per_param is not None:

@@ -33,7 +33,7 @@ def parse_bool(text) -> bool:
 
 
 @dataclass(frozen=True)
-class AioConfig:
+class AioSetting:
     block_size: int
     queue_depth: int
     intra_op_parallelism: int
@@ -47,14 +47,14 @@ class AioConfig:
                 "block_size": self.block_size}
 
 
-def sweep(space: Dict[str, Sequence]) -> List[AioConfig]:
+def sweep(space: Dict[str, Sequence]) -> List[AioSetting]:
     keys = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
-    return [AioConfig(*values) for values in itertools.product(*(space[k] for k in keys))]
+    return [AioSetting(*values) for values in itertools.product(*(space[k] for k in keys))]
 
 
 @dataclass
 class Measurement:
-    config: AioConfig
+    config: AioSetting
     read_gbs: Optional[float] = None
     write_gbs: Optional[float] = None
 
@@ -64,7 +64,7 @@ class Measurement:
         return len(rates) / sum(1.0 / r for r in rates) if rates and all(rates) else 0.0
 
 
-def measure(ops, config: AioConfig, dirs: Sequence[str], io_size: int, loops: int = 1, read: bool = True,
+def measure(ops, config: AioSetting, dirs: Sequence[str], io_size: int, loops: int = 1, read: bool = True,
             write: bool = True, buffer=None) -> Measurement:
     """Best-of-``loops`` GB/s of writing then reading ``io_size`` bytes split evenly over ``dirs``
     (one file per directory, all requests in flight together) with 4 KiB-aligned buffers."""
@@ -108,7 +108,7 @@ def measure(ops, config: AioConfig, dirs: Sequence[str], io_size: int, loops: in
     return result
 
 
-def run_sweep(ops, configs: Iterable[AioConfig], dirs, io_size, loops=1, read=True, write=True, on_result=None):
+def run_sweep(ops, configs: Iterable[AioSetting], dirs, io_size, loops=1, read=True, write=True, on_result=None):
     import torch
 
     probe = ops.aio_handle()

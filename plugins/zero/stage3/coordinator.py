@@ -22,7 +22,7 @@ is recorded on the next pass.
 
 ZeRO++. The gathers started here (fetch and prefetch) run inside
 :meth:`~.partitioned_param.ParamPartitioner.computing`, so with ZeRO++ on they send int8
-block-quantized weights (qwZ) or stay inside the hpZ group (see :mod:`dsplug.plugins.zero.zeropp`).
+block-quantized weights (qwZ) or stay inside the hpZ group (see :mod:`dsplug.plugins.zero.stage3.zeropp`).
 
 Live limit. ``stage3_max_live_parameters`` bounds the elements of gathered non-persistent
 parameters: prefetching stops short of it, and in forward a fetch that would exceed it first

@@ -132,7 +132,7 @@ class Init(contextlib.ContextDecorator):
         only matters for partitions kept on the host (``remote_device="cpu"`` with an accelerator).
         ``zero_quantized_weights`` / ``zero_quantized_nontrainable_weights`` are accepted and have no
         effect here: Init only partitions; the engine's ``zero_optimization`` keys of the same names
-        decide how its forward / backward gathers travel (ZeRO++, :mod:`dsplug.plugins.zero.zeropp`)."""
+        decide how its forward / backward gathers travel (ZeRO++, :mod:`dsplug.plugins.zero.stage3.zeropp`)."""
         self.enabled = bool(enabled)
         if not self.enabled:
             return

@@ -21,18 +21,19 @@ result ``[A_0 B_0 | A_1 B_1 | ...]`` is copied apart by columns. Packing saves a
 small parameter; for a large one its two copies would cost more than the message (measured at
 50M parameters on 2 gloo ranks: forward 300 ms all packed, 182 ms per parameter).
 
-ZeRO++ (:mod:`dsplug.plugins.zero.zeropp`): the stage sets :attr:`ParamPartitioner.wire`; the
+ZeRO++ (:mod:`dsplug.plugins.zero.stage3.zeropp`): the stage sets :attr:`ParamPartitioner.wire`; the
 gathers the coordinator starts for forward / backward (inside :meth:`ParamPartitioner.computing`)
 then go through it (int8 block-quantized weights, hpZ's in-group gather from the secondary
 shard). Every other gather (``GatheredParameters``, module state dicts, persistent parameters) is
 exact, and :meth:`ParamPartitioner.fetch` re-gathers a parameter whose full value came from a
 quantized gather.
 
-The seam for offloading (ZeRO-Infinity, a separate plugin): the partition lives on
-``partition_device`` and is brought to the compute device by :meth:`ParamPartitioner.local_piece`
-just before it is sent; its values are read with :meth:`~ParamPartitioner.read_piece` and
-rewritten with :meth:`~ParamPartitioner.store_piece`, which an offload plugin's subclass
-overrides (with ``gather_async``) when partitions live in files.
+The seam for offloading (``offload_param``, :mod:`.offload_params`): the partition lives on
+``partition_device`` (or in an offload device's storage, :meth:`~ParamPartitioner.allocate_flat`)
+and is brought to the compute device by :meth:`ParamPartitioner.local_piece` just before it is
+sent; its values are read with :meth:`~ParamPartitioner.read_piece` and rewritten with
+:meth:`~ParamPartitioner.store_piece`, which the subclass for devices that need swap buffers
+overrides (with ``gather_async``).
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ class GatherHandle:
     """The all-gathers of several partitioned parameters of one dtype; ``wait()`` fills them in.
 
     Started inside :meth:`ParamPartitioner.computing` with a ZeRO++ ``wire`` set, the wire moves
-    the values instead (see :mod:`dsplug.plugins.zero.zeropp`)."""
+    the values instead (see :mod:`dsplug.plugins.zero.stage3.zeropp`)."""
 
     def __init__(self, partitioner: "ParamPartitioner", params: List[torch.nn.Parameter]):
         self.partitioner = partitioner
@@ -324,6 +325,18 @@ class ParamPartitioner:
         with torch.no_grad():
             p.ds_tensor.copy_(piece)
         self.partitions_changed()
+
+    def allocate_flat(self, name: str, numel: int, dtype) -> Optional[torch.Tensor]:
+        """A flat tensor to hold a param group's partitions (the stage moves them in), or None when
+        partitions are kept one by one (an offload device that needs swap buffers)."""
+        return torch.empty(int(numel), dtype=dtype, device=self.partition_device)
+
+    def locations(self) -> List[str]:
+        """Files holding partitions outside the process (an offload device's), for tools and tests."""
+        return []
+
+    def close(self) -> None:
+        """Release what the partitioner holds outside the process (an offload device)."""
 
     def gather_async(self, params: Iterable[torch.nn.Parameter]) -> List[GatherHandle]:
         """Start all-gathers for the parameters that are NOT_AVAILABLE (one per dtype)."""

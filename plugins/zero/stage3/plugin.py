@@ -6,6 +6,8 @@ from __future__ import annotations
 from dsplug import PluginSpec, hookimpl
 from dsplug.descriptors import ApiModule
 
+from .traits import TRAITS
+
 
 def build_stage3(module, param_groups, build_optimizer, precision, zero_config, context):
     from .stage import PartitionedParamStage
@@ -16,7 +18,7 @@ def build_stage3(module, param_groups, build_optimizer, precision, zero_config, 
 @hookimpl
 def dsplug_zero_stages():
     return [
-        PluginSpec(category="zero_stage", name="3", factory=build_stage3,
+        PluginSpec(category="zero_stage", name="3", factory=build_stage3, traits=TRAITS,
                    summary="parameters, gradients and optimizer states partitioned; modules gather their "
                            "parameters just before use"),
     ]

@@ -6,12 +6,12 @@ in the same order on every rank). They are collected into buckets of about
 of every gradient in the bucket, ``[A_r | B_r | ...]`` — so that one reduce-scatter leaves each
 rank exactly its own pieces, which are added into its gradient partitions.
 
-Averaging over ranks follows stage 0 (``plugins/zero/buckets.py``): ``prescale_gradients``
+Averaging over ranks follows stage 0 (``plugins/zero/stage0/buckets.py``): ``prescale_gradients``
 divides by N before the reduction, otherwise the sum is divided by ``gradient_predivide_factor``
 before and multiplied by ``predivide / N`` after.
 
 ZeRO++ qgZ (``zero_quantized_gradients``): the same bucket goes through
-:class:`dsplug.plugins.zero.zeropp.QuantizedGradients` instead: an all-to-all of int8
+:class:`dsplug.plugins.zero.stage3.zeropp.QuantizedGradients` instead: an all-to-all of int8
 block-quantized rows, dequantized and summed in fp32 by the receiving rank.
 """
 from __future__ import annotations

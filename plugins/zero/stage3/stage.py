@@ -18,12 +18,13 @@ master is copied into the model-dtype partition, and the parameters that stay wh
 (persistent ones) are gathered again.
 
 Offloading (``offload_param`` / ``offload_optimizer``): the ``offload_device`` plugins the config
-names supply the :class:`ParamPartitioner` and the partition store that replaces
-:class:`InMemoryPartitions` (where masters and optimizer state live, and the step); see
+names are storage; this stage keeps partitions there through :mod:`.offload_params` (the
+parameter partitioner for that device) and :mod:`.offload_store` (the partition store that
+replaces :class:`InMemoryPartitions`: where masters and optimizer state live, and the step); see
 docs/offload.md.
 
 ZeRO++ (``zero_quantized_weights`` / ``zero_quantized_nontrainable_weights`` /
-``zero_quantized_gradients`` / ``zero_hpz_partition_size``): :mod:`dsplug.plugins.zero.zeropp`
+``zero_quantized_gradients`` / ``zero_hpz_partition_size``): :mod:`.zeropp`
 supplies the partitioner's ``wire`` (int8 forward / backward gathers, hpZ's secondary shards) and
 the reducer's quantized all-to-all; the fp32 master and the partitions stay exact.
 """
@@ -38,15 +39,18 @@ import torch
 from dsplug.contracts import ZeroStage
 from dsplug.logging import log_rank0
 
-from .. import deepspeed_format as dsf
-from ..buckets import refuse_other_reductions
-from ..gradients import unscale_check_clip
-from ..stage0 import _comm_dtype
-from ..zeropp import build_zeropp, secondary_tensors
+from ..checkpoint import deepspeed_format as dsf
+from ..partitioning.gradients import comm_dtype, unscale_check_clip
+from ..partitioning.offload import open_devices
+from ..partitioning.reductions import refuse_other_reductions
 from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
 from .coordinator import ParamCoordinator
+from .offload_params import param_partitioner
+from .offload_store import OffloadedPartitions
 from .partitioned_param import ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of, unique
+from .traits import TRAITS
 from .reduce import GradientReducer
+from .zeropp import build_zeropp, secondary_tensors
 
 
 class _Group:
@@ -154,6 +158,9 @@ class InMemoryPartitions:
         """Views and optimizer state are resident (checkpoint save / load may read and replace them)."""
         yield
 
+    def state_loaded(self) -> None:
+        """The optimizer's state was replaced by a checkpoint load (nothing to move here)."""
+
     def memory(self, optimizer, params) -> Dict[str, List[torch.Tensor]]:
         """Tensors held now: ``parameters`` (the partitions of ``params``) and ``optimizer_states``."""
         optim = [t for grp in self.groups for t in grp.memory_tensors()["optimizer_states"]]
@@ -167,6 +174,7 @@ class InMemoryPartitions:
 
 class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
     stage = 3
+    traits = TRAITS
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
                  context):
@@ -183,11 +191,20 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.accum_dtype = precision.grad_accum_dtype or precision.model_dtype
         accelerator = context.accelerator
         device = accelerator.device(context.local_rank if accelerator.name != "cpu" else None)
-        #: offload_device plugins' objects for "offload_param" / "offload_optimizer" (absent: not offloaded)
-        self.offload = _offload_devices(zero_config, context)
+        #: the offload devices of "offload_param" / "offload_optimizer" (absent: not offloaded)
+        self.offload = open_devices(zero_config, context)
+        try:
+            self._build(module, param_groups, build_optimizer, precision, zero_config, context, device)
+        except BaseException:
+            for opened in self.offload.values():
+                opened.close()
+            raise
+
+    def _build(self, module, param_groups, build_optimizer, precision, zero_config, context, device) -> None:
+        kernel = context.config.kernel
         if "offload_param" in self.offload:
-            self.partitioner = self.offload["offload_param"].zero3_partitioner(self.comm, self.rank, self.world_size,
-                                                                               device)
+            self.partitioner = param_partitioner(self.offload["offload_param"], self.comm, self.rank, self.world_size,
+                                                 device, zero_config.offload_param)
         else:
             self.partitioner = ParamPartitioner(self.comm, self.rank, self.world_size, device)
 
@@ -207,10 +224,10 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             self.partitioner.adopt(p, dtype=self.model_dtype)
         _check_groups(param_groups, self.names)
 
-        if self.offload:  # the optimizer's offload device decides where masters and states live
-            owner = self.offload.get("offload_optimizer") or self.offload["offload_param"]
-            self.store = owner.zero3_partitions(param_groups, self.model_dtype, precision.master_weights,
-                                                self.partitioner, zero_config, context, self.offload)
+        if self.offload:  # masters and states in the offload devices (the partitioner holds the param device)
+            self.store = OffloadedPartitions(param_groups, self.model_dtype, precision.master_weights,
+                                             self.partitioner, zero_config, context,
+                                             self.offload.get("offload_optimizer"))
         else:
             self.store = InMemoryPartitions(param_groups, self.model_dtype, precision.master_weights,
                                             self.partitioner)
@@ -236,7 +253,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             log_trace_warnings=zero_config.log_trace_cache_warnings)
         self.coordinator.install()
         self.reducer = GradientReducer(
-            self.comm, self.rank, self.world_size, _comm_dtype(kernel, self.accum_dtype),
+            self.comm, self.rank, self.world_size, comm_dtype(kernel, self.accum_dtype),
             bucket_elements=zero_config.reduce_bucket_size, prescale=kernel.prescale_gradients,
             predivide=kernel.gradient_predivide_factor, use_reduce_scatter=zero_config.reduce_scatter,
             overlap=zero_config.overlap_comm, accumulate=self._accumulate,
@@ -386,6 +403,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                                                           (v.clone() if torch.is_tensor(v) else v))
                                                       for k, v in st.items()}
                     self.optimizer.param_groups[gi].update({k: v for k, v in hyper.items() if k != "params"})
+            if load_optimizer_states and self.optimizer is not None:
+                self.store.state_loaded()
         self.partitioner.partitions_changed()
         self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
 
@@ -630,19 +649,6 @@ def _storage_bytes(tensors) -> int:
             seen.add(storage.data_ptr())
             size += storage.nbytes()
     return size
-
-
-def _offload_devices(zero_config, context) -> Dict[str, object]:
-    """``{"offload_param" | "offload_optimizer": device object}`` from the ``offload_device`` plugins
-    the config names (``"none"`` is left out: stage 3 needs no plugin to keep everything here)."""
-    chosen = {}
-    for key in ("offload_param", "offload_optimizer"):
-        section = getattr(zero_config, key)
-        if section.device == "none":
-            continue
-        provided = context.registry.get("offload_device", section.device, what=f"zero_optimization.{key}.device")
-        chosen[key] = provided.spec.factory(section, context)
-    return chosen
 
 
 def _check_groups(param_groups, names: Dict[int, str]) -> None:

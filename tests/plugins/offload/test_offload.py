@@ -123,7 +123,7 @@ def test_offload_config_rules(zero, fragment):
 @settings(max_examples=80, deadline=None)
 @given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=12), ratio=st.floats(0, 1))
 def test_host_share_is_the_longest_prefix_within_ratio(sizes, ratio):
-    from dsplug.plugins.offload.zero3 import host_share
+    from dsplug.plugins.zero.partitioning.offload import host_share
 
     c = host_share(sizes, ratio)
     assert sum(sizes[:c]) <= ratio * sum(sizes) + 1e-9 or ratio >= 1
@@ -133,7 +133,7 @@ def test_host_share_is_the_longest_prefix_within_ratio(sizes, ratio):
 @settings(max_examples=80, deadline=None)
 @given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=12), limit=st.integers(1, 120))
 def test_sub_groups_cover_every_piece_in_runs_within_sub_group_size(sizes, limit):
-    from dsplug.plugins.offload.zero3 import sub_groups
+    from dsplug.plugins.zero.partitioning.offload import sub_groups
 
     runs = sub_groups(sizes, 0, len(sizes), limit)
     assert [i for r in runs for i in r] == list(range(len(sizes)))
@@ -249,7 +249,7 @@ def test_without_force_a_torch_optimizer_steps_the_cpu_partitions():
 
 
 def test_ratio_splits_the_step_between_host_and_device():
-    from dsplug.plugins.offload.host_optimizer import SplitOptimizer
+    from dsplug.plugins.zero.partitioning.offload import SplitOptimizer
 
     engine = engine_for({"offload_optimizer": {"device": "cpu", "ratio": 0.5}})
     opt = engine.optimizer
@@ -297,8 +297,9 @@ def test_swap_files_are_private_exist_while_training_and_are_removed_at_destroy(
     engine = engine_for(nvme_case(tmp_path, pipeline=True), aio={"queue_depth": 4, "intra_op_parallelism": 2})
     train(engine, 1)
     store = engine.stage.store
-    assert (store.files.reader.get_queue_depth(), store.files.reader.get_intra_op_parallelism()) == (4, 2)
-    assert store.files.writer.get_overlap_events() is True  # the aio section's default
+    files = store.opt_device.files  # the nvme device's aio handles
+    assert (files.reader.get_queue_depth(), files.reader.get_intra_op_parallelism()) == (4, 2)
+    assert files.writer.get_overlap_events() is True  # the aio section's default
     dirs = sorted(os.listdir(tmp_path))
     assert len(dirs) == 2 and dirs[0].startswith("dsplug-offload_optimizer-rank0-") \
         and dirs[1].startswith("dsplug-offload_param-rank0-")

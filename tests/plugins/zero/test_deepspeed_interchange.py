@@ -187,7 +187,7 @@ def _structure(value, path=""):
 
 
 def _load(path):
-    import dsplug.plugins.zero.deepspeed_format  # noqa: F401 - DeepSpeed's classes for weights_only
+    import dsplug.plugins.zero.checkpoint.deepspeed_format  # noqa: F401 - DeepSpeed's classes for weights_only
 
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -298,7 +298,7 @@ def test_standalone_zero_to_fp32_matches_dsplugs(stage, tmp_path):
 
 @pytest.mark.parametrize("name", ["s2_fp32_w2", "s3_bf16_w2", "s1_bf16_w2"])
 def test_standalone_zero_to_fp32_reads_deepspeed_checkpoints(name, tmp_path):
-    from dsplug.plugins.zero import deepspeed_format
+    from dsplug.plugins.zero.checkpoint import deepspeed_format
     from dsplug.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = _fixture_copy(name, tmp_path)

@@ -555,7 +555,7 @@ def test_param_groups_keep_their_hyperparameters():
 
 def test_partition_stepped_in_chunks_equals_reference_and_round_trips(monkeypatch, tmp_path):
     """The optimizer sees a partition as views of at most OPTIMIZER_CHUNK elements (here 100 of 988)."""
-    from dsplug.plugins.zero import partitioned
+    from dsplug.plugins.zero.stage12 import stage as partitioned
 
     monkeypatch.setattr(partitioned, "OPTIMIZER_CHUNK", 100)
     config = _config("bf16-accum-clip", 2)

@@ -205,7 +205,7 @@ def test_qwz_qgz_trains_close_to_stage3_and_decreases(zeropp_run):
 
 @pytest.mark.multiprocess
 def test_qwz_gathered_weights_equal_blockwise_quantized_partitions_on_every_rank(zeropp_run):
-    from dsplug.plugins.zero.zeropp import BLOCK_SIZE
+    from dsplug.plugins.zero.stage3.zeropp import BLOCK_SIZE
 
     rank0, rank1 = zeropp_run
     for a, b in zip(rank0["qq_seen"], rank1["qq_seen"]):
@@ -280,7 +280,7 @@ def test_zeropp_keys_are_errors_below_stage_3_and_hpz_must_divide_the_world():
 def test_hpz_size_that_does_not_divide_the_world_is_refused_by_the_engine():
     from tests.plugins.zero.test_zero3 import SeededMLP, adamw, build, config
 
-    from dsplug.plugins.zero.zeropp import check_hpz
+    from dsplug.plugins.zero.stage3.zeropp import check_hpz
 
     with pytest.raises(ValueError, match="zero_hpz_partition_size: 2 does not divide the world size 1"):
         build(config(1, zero_hpz_partition_size=2), model=SeededMLP(), optimizer=adamw)
@@ -291,7 +291,7 @@ def test_hpz_size_that_does_not_divide_the_world_is_refused_by_the_engine():
 
 
 def test_block_codec_matches_the_formula_and_carries_non_finite_values():
-    from dsplug.plugins.zero.zeropp import BLOCK_SIZE, dequantize_blocks, quantize_blocks
+    from dsplug.plugins.zero.stage3.zeropp import BLOCK_SIZE, dequantize_blocks, quantize_blocks
 
     x = torch.randn(3 * BLOCK_SIZE, generator=torch.Generator().manual_seed(0))
     x[BLOCK_SIZE:2 * BLOCK_SIZE] = 0.0  # a zero block: scale 0, dequantizes to zeros

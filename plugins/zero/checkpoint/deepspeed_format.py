@@ -38,6 +38,8 @@ from dsplug import checkpoint as ckpt
 from dsplug import hookimpl
 from dsplug.logging import log_rank0
 
+from .layout import contiguous_partition_numel, merge_partitions
+
 #: the DeepSpeed version whose layout is written (DeepSpeed checks ``ds_version`` is set, >= 0.3.17)
 DS_VERSION = "0.19.8"
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -57,9 +59,7 @@ def optim_file(rank: int, bf16: bool = False) -> str:
 
 def aligned_partition_numel(numel: int, world_size: int) -> int:
     """Elements per rank of a ZeRO-1/2 param group of ``numel`` elements, as DeepSpeed partitions it
-    (and dsplug's contiguous layout, :func:`.zero_to_fp32.contiguous_partition_numel`)."""
-    from .zero_to_fp32 import contiguous_partition_numel
-
+    (and dsplug's contiguous layout, :func:`.layout.contiguous_partition_numel`)."""
     return contiguous_partition_numel(numel, world_size)
 
 
@@ -524,7 +524,6 @@ class DeepSpeedCheckpoint:
         return out
 
     def merged_fp32_groups(self) -> List[Dict[str, torch.Tensor]]:
-        from .zero_to_fp32 import merge_partitions
 
         return [g.fp32 for g in merge_partitions([self.dsplug_stage_state(r) for r in range(self.world_size)],
                                                  where=self.path)]

@@ -29,10 +29,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .partition import FlatGroup
+from ..partitioning.flat import FlatGroup
 
 
-class Bucket:
+class ReduceBucket:
     """Static description of one bucket: where each gradient piece goes in its buffer.
 
     slots:    param -> [(buffer offset, offset in the flattened parameter, length)]
@@ -71,7 +71,7 @@ class Bucket:
         self.numel = offset
 
 
-def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements: int) -> List[Bucket]:
+def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements: int) -> List[ReduceBucket]:
     """Greedy buckets over ``order``: close a bucket when the next parameter would overflow it."""
     buckets, current, size = [], [], 0
     for p in order:
@@ -82,10 +82,10 @@ def make_buckets(order: Sequence[torch.nn.Parameter], group_of, bucket_elements:
         size += p.numel()
     if current:
         buckets.append(current)
-    return [Bucket(b, group_of) for b in buckets]
+    return [ReduceBucket(b, group_of) for b in buckets]
 
 
-class GradientReducer:
+class FlatGradientReducer:
     """Runs one reduction round per backward pass (see the module docstring).
 
     grad_of(p):  the gradient to reduce for ``p`` (or None: none was produced)
@@ -286,7 +286,7 @@ class ReducerSet:
     """The reducers of several reduction domains (the data-parallel group, each group a plugin
     averages parameters in) driven as one: a parameter goes to the reducer of its domain."""
 
-    def __init__(self, reducers: List[GradientReducer]):
+    def __init__(self, reducers: List[FlatGradientReducer]):
         self.reducers = reducers
         self.of = {p: r for r in reducers for p in r.group_of}
 

@@ -75,7 +75,7 @@ import torch
 
 from dsplug.ops.quantize import quantize_to_int
 
-from .stage3.partitioned_param import split_rank_major, start_all_gather
+from .partitioned_param import split_rank_major, start_all_gather
 
 #: elements per quantization block (one fp32 scale each) for qwZ and qgZ
 BLOCK_SIZE = 2048

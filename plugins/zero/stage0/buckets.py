@@ -16,7 +16,8 @@ import torch
 class GradientBuckets:
     """``group``: the process group to all-reduce in (None: ``comm``'s own); the sums are divided
     by ``world_size`` either way (a reduction's divisor: the data-parallel world size also for
-    parameters summed over a smaller group: see ``reduction_domains``)."""
+    parameters summed over a smaller group: see
+    :func:`dsplug.plugins.zero.partitioning.reductions.reduction_domains`)."""
 
     def __init__(self, params: List[torch.nn.Parameter], bucket_elements: int, comm, world_size: int, dtype,
                  prescale: bool, predivide: float, grad_of: Callable, set_grad: Callable, group=None):
@@ -101,27 +102,3 @@ class GradientBuckets:
             n = g.numel()
             g.copy_(buf[offset:offset + n].view_as(g))
             offset += n
-
-
-def reduction_domains(params: List[torch.nn.Parameter], reduction_of: Callable) -> Dict[Optional[str], tuple]:
-    """Parameters by where their gradients are averaged: ``{key: (reduction, params)}`` in
-    first-appearance order, ``reduction_of`` being ``context.reduction_of``
-    (:class:`dsplug.descriptors.Reduction`; key None: the data-parallel group)."""
-    domains: Dict[Optional[str], tuple] = {}
-    for p in params:
-        reduction = reduction_of(p)
-        domains.setdefault(reduction.key, (reduction, []))[1].append(p)
-    return domains
-
-
-def refuse_other_reductions(param_groups, reduction_of, stage: int) -> None:
-    """Stage 3 partitions every parameter over the whole data-parallel group: a parameter whose
-    gradient a plugin averages in another group (``dsplug_param_reduction``) would need partitions
-    over that group, which dsplug builds at stages 0-2 only."""
-    others = [(p, r) for g in param_groups for p in g["params"] for r in [reduction_of(p)] if r.key is not None]
-    if others:
-        what, key = others[0][1].what, others[0][1].key
-        raise ValueError(f"zero_optimization.stage={stage}: the model has {len(others)} {what} (averaged in the "
-                         f"group {key!r}, not over the whole data-parallel group); ZeRO stage {stage} partitions "
-                         "every parameter over the data-parallel group and cannot train them: set "
-                         "zero_optimization.stage to 0, 1 or 2")

@@ -1,25 +1,30 @@
 """ZeRO stage 3 partitions with offloaded master weights and optimizer states (ZeRO-Offload /
 ZeRO-Infinity); the stage's seam is :class:`dsplug.plugins.zero.stage3.stage.InMemoryPartitions`.
+Every byte lives in an offload device, reached only through the storage contract
+(:class:`dsplug.contracts.OffloadDevice`).
 
 Per optimizer param group, this rank's pieces of the group's parameters (in order) are split in
 two: the *host* share — the longest prefix of pieces whose elements stay within
 ``offload_optimizer.ratio`` of the group's — and the *device* share, the rest. The device share
 keeps its fp32 master on the accelerator and is stepped there by the optimizer the config or the
 client gives; the host share is stepped on the CPU by DeepSpeed's CPU optimizer
-(:mod:`.host_optimizer`), its fp32 master and optimizer state living
+(:func:`~dsplug.plugins.zero.partitioning.offload.build_host_optimizer`), its fp32 master and
+optimizer state living in the ``offload_optimizer`` device:
 
-* ``device: cpu`` — in host memory (page-locked with ``pin_memory`` where an accelerator exists);
-* ``device: nvme`` — in swap files, ``sub_group_size`` partition elements per file (whole
-  parameter pieces; a larger piece is a sub-group of its own). The step walks the sub-groups:
-  read the fp32 master and each state into buffers of the ``buffer_count`` pool, step, write them
-  back. ``pipeline_read`` starts reading the next sub-group before stepping the current one;
-  ``pipeline_write`` lets the writes of a stepped sub-group run while the next is stepped.
+* a byte-addressable device (``cpu``, ``mmap``, ...) — in stored tensors used in place (the
+  master one flat tensor per group, the CPU optimizer's state placed beside it:
+  :class:`~dsplug.plugins.zero.partitioning.offload.PlacedState`);
+* a device that needs swap buffers (``nvme``) — ``sub_group_size`` partition elements per stored
+  tensor (whole parameter pieces; a larger piece is a sub-group of its own). The step walks the
+  sub-groups: read the fp32 master and each state into buffers of the ``buffer_count`` pool, step,
+  write them back. ``pipeline_read`` starts reading the next sub-group before stepping the current
+  one; ``pipeline_write`` lets the writes of a stepped sub-group run while the next is stepped.
 
 Gradient partitions are reduced on the accelerator as without offloading; at the step the host
 share is copied into a host fp32 buffer (unscaled and clipped there). The model-dtype partitions
 follow the masters after the step: in the same pass by ``cpu_adam`` when they are 16-bit host
-tensors (``step(fp16_param_groups=...)``), else by a copy; with ``offload_param.device: nvme``
-they are written to the parameter swap files (:mod:`.params`).
+tensors (``step(fp16_param_groups=...)``), else by a copy; with an ``offload_param`` device that
+needs swap buffers they are written to it (:mod:`.offload_params`).
 """
 from __future__ import annotations
 
@@ -28,78 +33,38 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .host_optimizer import SplitOptimizer, build_host_optimizer, is_cpu_optimizer
-from .params import HostParamPartitioner, NvmeParamPartitioner
-from .swap import BufferPool, SwapDir, SwapError, SwapFiles
+from dsplug.contracts.offload import BYTE_ADDRESSABLE, OffloadDevice, OffloadError, Stored, Work
 
-FP32 = torch.float32
-HALF = (torch.float16, torch.bfloat16)
-
-
-def host_share(sizes: List[int], ratio: float) -> int:
-    """How many leading pieces go to the host: the longest prefix within ``ratio`` of the elements."""
-    total = sum(sizes)
-    if ratio >= 1.0:
-        return len(sizes)
-    limit, used = ratio * total, 0
-    for i, k in enumerate(sizes):
-        if used + k > limit:
-            return i
-        used += k
-    return len(sizes)
-
-
-def sub_groups(sizes: List[int], first: int, last: int, sub_group_size: int) -> List[List[int]]:
-    """Pieces ``first..last-1`` cut into runs of about ``sub_group_size`` elements (whole pieces)."""
-    out, run, used = [], [], 0
-    for i in range(first, last):
-        if run and used + sizes[i] > sub_group_size:
-            out.append(run)
-            run, used = [], 0
-        run.append(i)
-        used += sizes[i]
-    if run:
-        out.append(run)
-    return out
-
-
-class HostMemory:
-    """Host tensors for the offloaded share: page-locked through the accelerator when ``pin_memory``
-    is set and there is an accelerator (on a CPU-only machine there is nothing to pin for)."""
-
-    def __init__(self, accelerator, pin_memory: bool):
-        self.accelerator = accelerator
-        self.pin = bool(pin_memory) and accelerator is not None and accelerator.name != "cpu"
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.pin_memory(tensor) if self.pin else tensor
+from ..partitioning.offload import (FP32, HALF, PlacedState, SplitOptimizer, SwapBufferPool, build_host_optimizer,
+                                    host_share, is_cpu_optimizer, sub_groups)
+from .offload_params import SwappedParamPartitioner
 
 
 class OffloadGroup:
     """One optimizer param group's partitions under offloading (the stage-3 group interface)."""
 
-    def __init__(self, params: List[torch.nn.Parameter], model_dtype, master_weights: bool, partitioner,
-                 host_kind: Optional[str], ratio: float, host_memory: "HostMemory"):
+    def __init__(self, gi: int, params: List[torch.nn.Parameter], model_dtype, master_weights: bool, partitioner,
+                 opt_device: Optional[OffloadDevice], ratio: float):
         self.params = params
         self.partitioner = partitioner
         self.sizes = [p.ds_tensor.numel() for p in params]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
         total = sum(self.sizes)
-        self.host_count = host_share(self.sizes, ratio) if host_kind else 0
+        self.host_count = host_share(self.sizes, ratio) if opt_device is not None else 0
         self.host_numel = sum(self.sizes[:self.host_count])
-        self.nvme_host = host_kind == "nvme"
+        in_place = opt_device is not None and BYTE_ADDRESSABLE in opt_device.capabilities
+        #: the host share's master and state are swapped in per sub-group (set up by the store)
+        self.swapped_host = opt_device is not None and not in_place
         compute = partitioner.device
 
-        # model-dtype partitions: one flat buffer, unless the partitioner keeps them in files
-        self.flat: Optional[torch.Tensor] = None
-        if not isinstance(partitioner, NvmeParamPartitioner):
-            flat = torch.empty(total, dtype=model_dtype, device=partitioner.partition_device)
-            if isinstance(partitioner, HostParamPartitioner):
-                flat = partitioner.host_tensor(flat)
+        # model-dtype partitions: one flat buffer (the param device's when offloaded), unless the
+        # partitioner keeps them one by one (a param device that needs swap buffers)
+        self.flat: Optional[torch.Tensor] = partitioner.allocate_flat(f"group{gi}_params", total, model_dtype)
+        if self.flat is not None:
+            flat = self.flat
             for p, o, k in zip(params, self.offsets, self.sizes):
                 flat[o:o + k].copy_(p.ds_tensor)
                 p.ds_tensor = flat[o:o + k]
-            self.flat = flat
 
         # device share: fp32 master on the accelerator (the flat buffer itself when it is fp32 there)
         h = self.host_numel
@@ -109,16 +74,21 @@ class OffloadGroup:
             self.dev_master = self._partitions(range(self.host_count, len(params)), compute)
             self.dev_alias = False
 
-        # host share: fp32 master in host memory (cpu) or in swap files (nvme, set up by the store)
+        # host share: fp32 master in the optimizer device, in place (byte-addressable) or swapped in
+        # per sub-group (set up by the store); fp32 training on the host keeps it in the flat buffer
         self.host_master: Optional[torch.Tensor] = None
         self.host_alias = False
-        if host_kind == "cpu":
+        self.stored: List[Stored] = []
+        if in_place:
             if (self.flat is not None and self.flat.device.type == "cpu" and self.flat.dtype == FP32
-                    and not master_weights and not host_memory.pin):
+                    and not master_weights and not opt_device.pin_memory):
                 self.host_master, self.host_alias = self.flat[:h], True
             else:
-                self.host_master = host_memory(self._partitions(range(self.host_count), torch.device("cpu")))
-        if self.nvme_host:
+                stored = opt_device.allocate(f"group{gi}_master", h, FP32)
+                self.stored.append(stored)
+                self.host_master = opt_device.tensor(stored)
+                self.host_master.copy_(self._partitions(range(self.host_count), torch.device("cpu")))
+        if self.swapped_host:
             host_views = [torch.empty(0, dtype=FP32) for _ in range(self.host_count)]  # filled while swapped in
         else:
             host_views = [self.host_master[o:o + k] for o, k in zip(self.offsets[:self.host_count],
@@ -126,7 +96,7 @@ class OffloadGroup:
         dev_views = [self.dev_master[o - h:o - h + k] for o, k in zip(self.offsets[self.host_count:],
                                                                        self.sizes[self.host_count:])]
         self.views: List[torch.Tensor] = host_views + dev_views
-        self.host_grad = host_memory(torch.zeros(h, dtype=FP32)) if h else None
+        self.host_grad = opt_device.host_tensor(h, FP32).zero_() if h else None
         self.grad: Optional[torch.Tensor] = None
         self.grad_views: List[torch.Tensor] = []
         #: the host share's model-dtype partitions were written by the optimizer's step itself
@@ -186,7 +156,7 @@ class OffloadGroup:
         h, out = self.host_numel, []
         if self.host_grad is not None:
             self.host_grad.copy_(flat[:h])
-            if not self.nvme_host:  # nvme: set per sub-group while it is swapped in
+            if not self.swapped_host:  # swapped: set per sub-group while it is swapped in
                 for view, o, k in zip(self.views[:self.host_count], self.offsets, self.sizes):
                     view.grad = self.host_grad[o:o + k]
             out.append(self.host_grad)
@@ -235,7 +205,7 @@ class OffloadGroup:
 
 
 class _Unit:
-    """One nvme sub-group: pieces ``indices`` of group ``gi``, ``numel`` elements, its files."""
+    """One swapped sub-group: pieces ``indices`` of group ``gi``, ``numel`` elements, its stored tensors."""
 
     def __init__(self, gi: int, si: int, indices: List[int], group: OffloadGroup):
         self.gi, self.si, self.indices = gi, si, indices
@@ -244,31 +214,32 @@ class _Unit:
         self.numel = sum(group.sizes[i] for i in indices)
         self.start = group.offsets[indices[0]]  # in the group's partition (host share starts at 0)
 
-    def file(self, key: str) -> str:
-        return f"group{self.gi}_sub{self.si}_{key}.swp"
+    def name(self, key: str) -> str:
+        return f"group{self.gi}_sub{self.si}_{key}"
 
 
 class OffloadedPartitions:
-    """The stage-3 partition store for ``offload_param`` / ``offload_optimizer`` (see the module doc)."""
+    """The stage-3 partition store for ``offload_param`` / ``offload_optimizer`` (see the module doc).
+
+    ``opt_device``: the ``offload_optimizer`` device (None: the optimizer stays on the accelerator,
+    only parameters are offloaded, by ``partitioner``)."""
 
     def __init__(self, param_groups: List[dict], model_dtype, master_weights: bool, partitioner, zero_config,
-                 context, offload: Dict[str, object]):
+                 context, opt_device: Optional[OffloadDevice]):
         self.context = context
         self.partitioner = partitioner
         self.zero_config = zero_config
-        self.opt_device = offload.get("offload_optimizer")
-        self.host_kind = self.opt_device.name if self.opt_device is not None else None
-        opt_config = self.opt_device.config if self.opt_device is not None else None
-        self.opt_config = opt_config
-        accelerator = context.accelerator
-        self.accelerator = accelerator
-        host_memory = HostMemory(accelerator, bool(opt_config is not None and opt_config.pin_memory))
-        self.pin = host_memory.pin
-        ratio = float(opt_config.ratio) if opt_config is not None else 0.0
+        self.opt_device = opt_device
+        self.opt_config = opt_device.config if opt_device is not None else None
+        #: the host share's master and state are used in place (a byte-addressable device)
+        self.in_place = opt_device is not None and BYTE_ADDRESSABLE in opt_device.capabilities
+        #: they are swapped in per sub-group (a device that needs swap buffers)
+        self.swapped = opt_device is not None and not self.in_place
+        ratio = float(self.opt_config.ratio) if self.opt_config is not None else 0.0
         with torch.no_grad():
-            self.groups = [OffloadGroup(list(g["params"]), model_dtype, master_weights, partitioner,
-                                        self.host_kind, ratio, host_memory) for g in param_groups]
-            if isinstance(partitioner, NvmeParamPartitioner):
+            self.groups = [OffloadGroup(gi, list(g["params"]), model_dtype, master_weights, partitioner, opt_device,
+                                        ratio) for gi, g in enumerate(param_groups)]
+            if isinstance(partitioner, SwappedParamPartitioner):
                 names = {}
                 if context.model is not None:
                     names = {p.ds_id: n for n, p in context.model.named_parameters() if hasattr(p, "ds_id")}
@@ -277,15 +248,17 @@ class OffloadedPartitions:
         self.dev_opt = None
         self.optimizer = None
         self.fp16_outputs = None
-        # nvme optimizer state (set up by build_optimizer)
+        #: the CPU optimizer's state in the (byte-addressable) optimizer device
+        self.placed: Optional[PlacedState] = None
+        # swapped optimizer state (set up by build_optimizer)
         self.units: List[_Unit] = []
-        self.dir: Optional[SwapDir] = None
-        self.files: Optional[SwapFiles] = None
-        self.pool: Optional[BufferPool] = None
+        self.stored: Dict[Tuple[int, int, str], Stored] = {}  # (group, sub-group, "master" | state) -> stored
+        self.pool: Optional[SwapBufferPool] = None
         self.keys: Optional[List[str]] = None  # element-wise optimizer state names (None: not known yet)
         self.key_dtypes: Dict[str, torch.dtype] = {}
-        self.on_disk: Dict[Tuple[int, int], List[str]] = {}  # unit -> state names with a file
-        self._writing: List[Tuple[int, List[torch.Tensor]]] = []  # (write stream, buffers) of writes in flight
+        self.on_disk: Dict[Tuple[int, int], List[str]] = {}  # unit -> state names stored
+        #: (write stream, buffers, works) of writes in flight
+        self._writing: List[Tuple[int, List[torch.Tensor], List[Work]]] = []
         self._materialized = False
         self.steps = 0
         #: sub-groups whose read started before the previous sub-group's step (pipeline_read), and
@@ -304,7 +277,8 @@ class OffloadedPartitions:
             dev_index.append(len(dev_groups) if c < len(grp.params) else None)
             if c < len(grp.params):
                 dev_groups.append({**g, "params": grp.views[c:]})
-        where = f"zero_optimization.offload_optimizer.device={self.host_kind!r}"
+        where = (f"zero_optimization.offload_optimizer.device={self.opt_device.name!r}" if self.opt_device is not None
+                 else "zero_optimization.offload_optimizer")
         host = build_host_optimizer(host_groups, build_optimizer, self.context, where) if host_groups else None
         device = build_optimizer(dev_groups) if dev_groups else None
         if host is not None and device is host:
@@ -322,8 +296,11 @@ class OffloadedPartitions:
             self.optimizer = host or device
         if host is not None:
             self.fp16_outputs = self._fp16_outputs()
-            if self.host_kind == "nvme":
-                self._setup_nvme()
+            if self.swapped:
+                self._setup_swapped()
+            elif is_cpu_optimizer(host):
+                with torch.no_grad():
+                    self.placed = PlacedState(self.opt_device, host)
         return self.optimizer
 
     def _fp16_outputs(self):
@@ -337,6 +314,11 @@ class OffloadedPartitions:
         return [[grp.flat[a:b] for a, b in (grp.piece_range(i) for i in range(grp.host_count))]
                 for grp in host_groups]
 
+    def state_loaded(self) -> None:
+        """The optimizer's state was replaced (a checkpoint load): keep it in the device."""
+        if self.placed is not None:
+            self.placed.rehome()
+
     # ------------------------------------------------------------------ step
     def step(self, optimizer) -> None:
         if optimizer is None:
@@ -347,19 +329,22 @@ class OffloadedPartitions:
             if self.dev_opt is not None:
                 self.dev_opt.step()
             if self.host_opt is not None:
-                if self.host_kind == "nvme":
-                    self._step_nvme()
+                if self.swapped:
+                    self._step_swapped()
                 else:
+                    for grp in self.groups:
+                        for stored in grp.stored:
+                            self.opt_device.prefetch(stored)
                     kwargs = {"fp16_param_groups": self.fp16_outputs} if self.fp16_outputs is not None else {}
                     self.host_opt.step(**kwargs)
                     for grp in self.groups:
                         grp.written_by_step = self.fp16_outputs is not None
             for grp in self.groups:
-                grp.update_partitions(host=self.host_kind == "cpu")
+                grp.update_partitions(host=self.in_place)
         self.steps += 1
 
-    # ------------------------------------------------------------------ nvme: setup
-    def _setup_nvme(self) -> None:
+    # ------------------------------------------------------------------ swapped: setup
+    def _setup_swapped(self) -> None:
         config = self.opt_config
         sub = int(self.zero_config.sub_group_size)
         for gi, grp in enumerate(self.groups):
@@ -377,10 +362,8 @@ class OffloadedPartitions:
         elements = sum(u.numel for u in self.units)
         state_bytes = sum(torch.empty(0, dtype=d).element_size() for d in self.key_dtypes.values()) \
             if self.keys is not None else 4 * known
-        self.dir = SwapDir(config.nvme_path, "offload_optimizer", self.context.rank,
-                           elements * 4 + elements * state_bytes)
-        self.files = SwapFiles(self.dir, self._aio_config())
-        self.pool = BufferPool(int(config.buffer_count), largest * 4, torch.uint8, self.accelerator, self.pin)
+        self.opt_device.reserve(elements * 4 + elements * state_bytes)  # refused here when there is no room
+        self.pool = SwapBufferPool(self.opt_device, int(config.buffer_count), largest * 4, torch.uint8)
         init_states = self.keys is not None and not config.fast_init
         with torch.no_grad():
             for u in self.units:
@@ -389,40 +372,42 @@ class OffloadedPartitions:
                 master = buffer[:u.numel * 4].view(FP32)
                 for i, (a, b) in zip(u.indices, u.ranges):
                     master[a:b].copy_(grp.partition_of(i))
-                self.files.write(master, u.file("master"))
-                self.files.wait_writes()
+                self.opt_device.write(self._stored(u, "master"), master).wait()
                 if init_states:
                     for key in self.keys:
                         zeros = buffer[:u.numel * _size(self.key_dtypes[key])].view(self.key_dtypes[key]).zero_()
-                        self.files.write(zeros, u.file(key))
-                        self.files.wait_writes()
+                        self.opt_device.write(self._stored(u, key), zeros).wait()
                     self.on_disk[(u.gi, u.si)] = list(self.keys)
                     for i in u.indices:
                         self.host_opt.state[grp.views[i]] = {"step": 0}
                 self.pool.give(buffer)
 
-    def _aio_config(self):
-        config = getattr(self.context, "config", None)
-        return config.section("aio") if config is not None else None
+    def _stored(self, u: _Unit, key: str) -> Stored:
+        """The stored tensor of unit ``u``'s ``key`` ("master" or a state), allocated on first use."""
+        found = self.stored.get((u.gi, u.si, key))
+        if found is None:
+            dtype = FP32 if key == "master" else self.key_dtypes[key]
+            found = self.stored[(u.gi, u.si, key)] = self.opt_device.allocate(u.name(key), u.numel, dtype)
+        return found
 
     def _check_buffer_count(self, states: int) -> None:
         need = 1 + states
         count = int(self.opt_config.buffer_count)
         if count < need:
             names = ", ".join(self.keys or []) or "its state"
-            raise SwapError(f"zero_optimization.offload_optimizer.buffer_count = {count} is too small: each sub-group "
-                            f"swaps its fp32 master and {states} optimizer state(s) ({names}) through the buffer "
-                            f"pool, so at least {need} buffers are needed ({2 * need} to overlap reading the next "
-                            "sub-group with the step)")
+            raise OffloadError(f"zero_optimization.offload_optimizer.buffer_count = {count} is too small: each "
+                               f"sub-group swaps its fp32 master and {states} optimizer state(s) ({names}) through "
+                               f"the buffer pool, so at least {need} buffers are needed ({2 * need} to overlap reading "
+                               "the next sub-group with the step)")
 
-    # ------------------------------------------------------------------ nvme: the step
+    # ------------------------------------------------------------------ swapped: the step
     def _needs(self, u: _Unit) -> int:
         return 1 + len(self.on_disk.get((u.gi, u.si), []))
 
     def _take(self, n: int, latest: Optional[int] = None) -> Optional[List[torch.Tensor]]:
         """``n`` buffers from the pool, completing writes in flight as needed: those of other write
         streams first, those of stream ``latest`` (the last stepped sub-group's) only if still short."""
-        for stream in sorted({s for s, _ in self._writing}, key=lambda s: s == latest):
+        for stream in sorted({s for s, _, _ in self._writing}, key=lambda s: s == latest):
             if self.pool.free >= n:
                 break
             self._finish_writes(stream)
@@ -430,15 +415,15 @@ class OffloadedPartitions:
             return None
         return [self.pool.take() for _ in range(n)]
 
-    def _read(self, u: _Unit, buffers: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Start reading unit ``u`` into ``buffers``; returns ``{"master" | state: tensor}``."""
+    def _read(self, u: _Unit, buffers: List[torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], List[Work]]:
+        """Start reading unit ``u`` into ``buffers``: ``({"master" | state: tensor}, works)``."""
         out = {"master": buffers[0][:u.numel * 4].view(FP32)}
-        self.files.read(out["master"], u.file("master"))
+        works = [self.opt_device.read(self._stored(u, "master"), out["master"])]
         for key, buf in zip(self.on_disk.get((u.gi, u.si), []), buffers[1:]):
             dtype = self.key_dtypes[key]
             out[key] = buf[:u.numel * _size(dtype)].view(dtype)
-            self.files.read(out[key], u.file(key))
-        return out
+            works.append(self.opt_device.read(self._stored(u, key), out[key]))
+        return out, works
 
     def _attach(self, u: _Unit, tensors: Dict[str, torch.Tensor], grads: bool) -> None:
         grp = self.groups[u.gi]
@@ -475,77 +460,70 @@ class OffloadedPartitions:
             for key in found:
                 self.key_dtypes[key] = entry[key].dtype
             self._check_buffer_count(len(found))
-            self._check_space()
-
-    def _check_space(self) -> None:
-        from .swap import available_bytes
-
-        elements = sum(u.numel for u in self.units)
-        needed = elements * sum(_size(d) for d in self.key_dtypes.values())
-        free = available_bytes(self.dir.path)
-        if needed > free:
-            raise SwapError(f"zero_optimization.offload_optimizer.nvme_path = {self.opt_config.nvme_path!r}: the "
-                            f"optimizer's state ({', '.join(self.keys)}) needs {needed} more bytes of swap files but "
-                            f"only {free} are available")
+            elements = sum(u.numel for u in self.units)
+            self.opt_device.reserve(elements * sum(_size(d) for d in self.key_dtypes.values()))
 
     def _write_unit(self, u: _Unit, tensors: Dict[str, torch.Tensor], buffers: List[torch.Tensor],
                     stream: int = 0) -> None:
         """Start writing a stepped unit on write stream ``stream``; its buffers are released when
         those writes are waited for."""
         grp = self.groups[u.gi]
-        self.files.write(tensors["master"], u.file("master"), stream)
+        works = [self.opt_device.write(self._stored(u, "master"), tensors["master"], stream)]
         extra = []
         for key in self.keys or []:
             if key in tensors:
-                self.files.write(tensors[key], u.file(key), stream)
+                works.append(self.opt_device.write(self._stored(u, key), tensors[key], stream))
                 continue
             # state the optimizer created in this step (first step): gather it into a buffer
             got = self._take(1, latest=stream) or [None]
             if got[0] is None:
-                raise SwapError("no swap buffer free to write new optimizer state")
+                raise OffloadError("no swap buffer free to write new optimizer state")
             dtype = self.key_dtypes[key]
             flat = got[0][:u.numel * _size(dtype)].view(dtype)
             for i, (a, b) in zip(u.indices, u.ranges):
                 flat[a:b].copy_(self.host_opt.state[grp.views[i]][key])
-            self.files.write(flat, u.file(key), stream)
+            works.append(self.opt_device.write(self._stored(u, key), flat, stream))
             extra.append(got[0])
         self.on_disk[(u.gi, u.si)] = list(self.keys or [])
-        self._writing.append((stream, buffers + extra))
+        self._writing.append((stream, buffers + extra, works))
 
     def _finish_writes(self, stream: Optional[int] = None) -> None:
         """Wait for the writes of ``stream`` (all when None) and give their buffers back."""
-        self.files.wait_writes(stream)
         done = [w for w in self._writing if stream is None or w[0] == stream]
         self._writing = [w for w in self._writing if not (stream is None or w[0] == stream)]
-        for _, buffers in done:
+        for _, _, works in done:
+            for work in works:
+                work.wait()
+        for _, buffers, _ in done:
             for b in buffers:
                 self.pool.give(b)
 
-    def _step_nvme(self) -> None:
+    def _step_swapped(self) -> None:
         """Step the swapped sub-groups in turn. Sub-group j is written on write stream j % 2, so the
         writes of j - 1 can run during the step of j while those of j - 2 are completed to free
         buffers; with ``pipeline_read`` the read of j + 1 is started before j is stepped (it takes
         precedence over overlapping writes when the pool is short)."""
         config = self.opt_config
         units = self.units
-        ahead: Optional[Tuple[_Unit, List[torch.Tensor], Dict[str, torch.Tensor]]] = None
+        ahead: Optional[Tuple[_Unit, List[torch.Tensor], Dict[str, torch.Tensor], List[Work]]] = None
         for j, u in enumerate(units):
             latest = (j - 1) % 2
             if ahead is not None and ahead[0] is u:
-                _, buffers, tensors = ahead
+                _, buffers, tensors, reads = ahead
             else:
                 buffers = self._take(self._needs(u), latest)
                 if buffers is None:
-                    raise SwapError(f"zero_optimization.offload_optimizer.buffer_count = {config.buffer_count}: "
-                                    f"not enough free swap buffers for a sub-group ({self._needs(u)} needed)")
-                tensors = self._read(u, buffers)
-            self.files.wait_reads()
+                    raise OffloadError(f"zero_optimization.offload_optimizer.buffer_count = {config.buffer_count}: "
+                                       f"not enough free swap buffers for a sub-group ({self._needs(u)} needed)")
+                tensors, reads = self._read(u, buffers)
+            for work in reads:
+                work.wait()
             ahead = None
             if config.pipeline_read and j + 1 < len(units):
                 following = units[j + 1]
                 spare = self._take(self._needs(following), latest)
                 if spare is not None:
-                    ahead = (following, spare, self._read(following, spare))
+                    ahead = (following, spare, *self._read(following, spare))
                     self.reads_ahead += 1
             self.steps_during_writes += bool(self._writing)
             self._attach(u, tensors, grads=True)
@@ -567,12 +545,12 @@ class OffloadedPartitions:
             self.host_opt.step()
             grp.write_partitions(u.indices)
 
-    # ------------------------------------------------------------------ nvme: whole-state access
+    # ------------------------------------------------------------------ swapped: whole-state access
     @contextlib.contextmanager
     def materialized(self, write: bool = False):
         """Every host view and its optimizer state resident (fresh tensors) for the duration;
-        ``write``: written back to the swap files afterwards."""
-        if self.host_kind != "nvme" or not self.units or self._materialized:
+        ``write``: written back to the device afterwards."""
+        if not self.swapped or not self.units or self._materialized:
             yield
             return
         self._materialized = True
@@ -580,11 +558,12 @@ class OffloadedPartitions:
             with torch.no_grad():
                 for u in self.units:
                     tensors = {"master": torch.empty(u.numel, dtype=FP32)}
-                    self.files.read(tensors["master"], u.file("master"))
+                    works = [self.opt_device.read(self._stored(u, "master"), tensors["master"])]
                     for key in self.on_disk.get((u.gi, u.si), []):
                         tensors[key] = torch.empty(u.numel, dtype=self.key_dtypes[key])
-                        self.files.read(tensors[key], u.file(key))
-                    self.files.wait_reads()
+                        works.append(self.opt_device.read(self._stored(u, key), tensors[key]))
+                    for work in works:
+                        work.wait()
                     self._attach(u, tensors, grads=False)
             yield
             if write:
@@ -600,51 +579,54 @@ class OffloadedPartitions:
         for u in self.units:
             grp = self.groups[u.gi]
             views = [grp.views[i] for i in u.indices]
-            self.files.write(torch.cat([v.detach().reshape(-1) for v in views]).to(FP32), u.file("master"))
+            works = [self.opt_device.write(self._stored(u, "master"),
+                                           torch.cat([v.detach().reshape(-1) for v in views]).to(FP32))]
             entry = state.get(views[0], {})
             keys = [k for k, v in entry.items() if _elementwise(v)]
             for key in keys:
                 self.key_dtypes.setdefault(key, entry[key].dtype)
                 values = [state[v][key].reshape(-1).to(self.key_dtypes[key]) for v in views]
-                self.files.write(torch.cat(values), u.file(key))
+                works.append(self.opt_device.write(self._stored(u, key), torch.cat(values)))
             if keys:
                 self.keys = self.keys or keys
                 self.on_disk[(u.gi, u.si)] = keys
-            self.files.wait_writes()
+            for work in works:
+                work.wait()
 
     # ------------------------------------------------------------------ accounting / lifecycle
     def memory(self, optimizer, params) -> Dict[str, List[torch.Tensor]]:
-        if isinstance(self.partitioner, NvmeParamPartitioner):
-            parameters = self.partitioner.resident_partitions()
-        else:
-            parameters = [p.ds_tensor for p in params]
+        resident = getattr(self.partitioner, "resident_partitions", None)
+        parameters = resident() if resident is not None else [p.ds_tensor for p in params]
         optim = [t for grp in self.groups for t in grp.memory_tensors()["optimizer_states"]]
         if optimizer is not None:
             optim += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel()]
         return {"parameters": parameters, "optimizer_states": optim}
 
     def swap_files(self) -> List[str]:
-        """Paths of this rank's swap files now (optimizer and parameter), for tests and tools."""
+        """Paths of the files that hold this rank's offloaded state now (optimizer, then
+        parameters), for tests and tools; empty for devices that keep everything in memory."""
         import os
 
         out = []
-        for swap_dir in (self.dir, getattr(self.partitioner, "dir", None)):
-            if swap_dir is not None and not swap_dir.closed and os.path.isdir(swap_dir.path):
-                out += [os.path.join(swap_dir.path, f) for f in swap_dir.swap_file_names()]
-        return out
+        if self.opt_device is not None:
+            stored = [s for grp in self.groups for s in grp.stored] + list(self.stored.values())
+            if self.placed is not None:
+                stored += self.placed.stored
+            found = [self.opt_device.location(s) for s in stored]
+            out += sorted(f for f in found if f and os.path.exists(f))
+        return out + [f for f in self.partitioner.locations() if os.path.exists(f)]
 
     def close(self) -> None:
-        """Finish pending I/O and delete this process's swap directories."""
+        """Finish pending I/O and release the devices (swap files, mappings, memory)."""
         try:
-            if self.files is not None:
+            if self.pool is not None:
                 self._finish_writes()
-                self.files.close()
         finally:
-            if self.dir is not None:
-                self.dir.close()
-            close = getattr(self.partitioner, "close", None)
-            if close is not None:
-                close()
+            try:
+                if self.opt_device is not None:
+                    self.opt_device.close()
+            finally:
+                self.partitioner.close()
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 as ``zero_stage`` plugins (the implementation is :mod:`.partitioned`).
+"""ZeRO stages 1 and 2 as ``zero_stage`` plugins (hooks only; the implementation is :mod:`.stage`).
 
 What the ``zero_optimization`` keys do here:
 
@@ -25,22 +25,25 @@ What the ``zero_optimization`` keys do here:
 * ``ignore_unused_parameters`` (default true): a parameter without a gradient counts as zeros;
   false: it is an error naming the parameters.
 * ``elastic_checkpoint``: checkpoints are always loadable at another world size here.
-* ``offload_optimizer.device: cpu``: the fp32 master partitions, the optimizer state and the step live on
-  the CPU (the offload plugin's ``HostMaster``, ``plugins/offload/zero12.py``; ``nvme`` and ``ratio`` < 1
-  are stage-3 features, refused by that plugin's config rules).
+* ``offload_optimizer.device``: the fp32 master partitions and the optimizer state live in the device's
+  storage and the CPU optimizer steps them in place (:mod:`.offload`). The device must be
+  byte-addressable (``cpu``, or a plugin's such as ``mmap``); ``nvme`` and ``ratio`` < 1 are stage-3
+  features, refused by the ``zero_optimization`` rules from these stages' traits.
 * ``legacy_stage1`` is refused (not implemented).
 
-The optimizer must be element-wise (see :mod:`.optimizer_check`).
+The optimizer must be element-wise (see :mod:`dsplug.plugins.zero.partitioning.checks`).
 """
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
 
+from .traits import STAGE1_TRAITS, STAGE2_TRAITS
+
 
 def _build(stage: int):
     def factory(module, param_groups, build_optimizer, precision, zero_config, context):
-        from .partitioned import PartitionedStage
-        from .stage0 import refuse_partitioned_params
+        from ..partitioning.checks import refuse_partitioned_params
+        from .stage import PartitionedStage
 
         refuse_partitioned_params(module, stage)
         return PartitionedStage(stage, module, param_groups, build_optimizer, precision, zero_config,
@@ -53,7 +56,7 @@ def _build(stage: int):
 def stage12_not_implemented(config, report) -> None:
     """Refuse, at config time, what stages 1/2 do not implement."""
     zero = config.sections.get("zero_optimization")
-    if zero is None or zero.stage not in (1, 2):
+    if zero is None or str(zero.stage) not in ("1", "2"):
         return
     if zero.legacy_stage1:
         report.error("zero_optimization.legacy_stage1", "DeepSpeed's legacy stage 1 is not available in dsplug; "
@@ -64,7 +67,8 @@ def stage12_not_implemented(config, report) -> None:
 def dsplug_zero_stages():
     return [
         PluginSpec(category="zero_stage", name="1", factory=_build(1), rules=(stage12_not_implemented,),
+                   traits=STAGE1_TRAITS,
                    summary="partitions optimizer states and fp32 master weights across data-parallel ranks"),
-        PluginSpec(category="zero_stage", name="2", factory=_build(2),
+        PluginSpec(category="zero_stage", name="2", factory=_build(2), traits=STAGE2_TRAITS,
                    summary="stage 1 + gradients reduced into their owner's partition during backward"),
     ]

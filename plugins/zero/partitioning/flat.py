@@ -5,7 +5,7 @@ the end to a multiple of the world size N; rank r owns elements ``[r*P, (r+1)*P)
 partition numel). The module's parameters become views into that buffer, so gathering the
 updated partitions writes the module's weights directly. This is the ``"contiguous"`` layout of
 ``docs/zero-stages.md``; its arithmetic (pieces of a parameter per owner) is shared with the
-offline consolidation in :mod:`.zero_to_fp32`.
+offline consolidation (:mod:`dsplug.plugins.zero.checkpoint.layout`).
 
 ``round_robin_gradients`` flattens a group's parameters in round-robin order (0, N, 2N, ..., then
 1, N+1, ...): neighbouring layers then fall into different ranks' partitions, so the gradient
@@ -18,7 +18,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .zero_to_fp32 import Piece, contiguous_partition_numel, split_range
+from ..checkpoint.layout import Piece, contiguous_partition_numel, split_range
 
 
 def round_robin_order(items: Sequence, world_size: int) -> List:

@@ -26,3 +26,14 @@ def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
     if norm is not None and clip > 0 and norm > clip:
         torch._foreach_mul_(grads, clip / (norm + 1e-6))
     return True, norm
+
+
+def comm_dtype(kernel_config, accum_dtype):
+    """The dtype gradients are reduced in: fp32 with ``fp32_allreduce``, the top-level
+    ``communication_data_type`` when given, else the accumulation dtype."""
+    if kernel_config.fp32_allreduce:
+        return torch.float32
+    name = kernel_config.communication_data_type
+    if name:
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    return accum_dtype

@@ -34,14 +34,15 @@ import torch
 from dsplug.checkpoint import CheckpointError
 from dsplug.contracts import ZeroStage
 
-from . import deepspeed_format as dsf
-from .gradients import unscale_check_clip
-from .optimizer_check import check_elementwise
-from .partition import FlatGroup, gather_partitions, round_robin_order
-from .buckets import reduction_domains
-from .reducer import GradientReducer, ReducerSet
-from .stage0 import _comm_dtype
-from .zero_to_fp32 import merge_partitions
+from ..checkpoint import deepspeed_format as dsf
+from ..checkpoint.layout import merge_partitions
+from ..partitioning.checks import check_elementwise
+from ..partitioning.flat import FlatGroup, gather_partitions, round_robin_order
+from ..partitioning.gradients import comm_dtype, unscale_check_clip
+from ..partitioning.offload import open_devices
+from ..partitioning.reductions import reduction_domains
+from .traits import TRAITS
+from .reducer import FlatGradientReducer, ReducerSet
 
 
 @attrs.define(frozen=True)
@@ -83,6 +84,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         if stage not in (1, 2):
             raise ValueError(f"PartitionedStage implements ZeRO stages 1 and 2, not {stage}")
         self.stage = stage
+        self.traits = TRAITS[stage]
         self.module = module
         self.precision = precision
         self.context = context
@@ -101,7 +103,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         names = {p: n for n, p in module.named_parameters()}
         _check_groups(param_groups, names, stage)
         #: per param group: where it is partitioned (the data-parallel group, or the group a plugin
-        #: averages its parameters in: see plugins/zero/buckets.py reduction_domains)
+        #: averages its parameters in: see plugins/zero/partitioning/reductions.py)
         self.domains: List[Domain] = [_domain_of(g, gi, names, self) for gi, g in enumerate(param_groups)]
         self.groups: List[FlatGroup] = []
         for gi, (g, domain) in enumerate(zip(param_groups, self.domains)):
@@ -112,10 +114,10 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
                                          precision.model_dtype, params[0].device))
         self.params = [p for g in self.groups for p in g.params]
 
-        #: offload_optimizer: the offload plugin's host-side master (None: the master stays here)
+        #: offload_optimizer: the master partitions and optimizer state in the offload device (None: kept here)
         self.offload = _offload_master(zero_config, context, stage)
         if self.offload is not None:
-            self.opt_params = [self.offload.master_of(g.local) for g in self.groups]
+            self.opt_params = [self.offload.master_of(gi, g.local) for gi, g in enumerate(self.groups)]
         elif precision.master_weights:
             self.opt_params = [g.local.detach().to(torch.float32).clone() for g in self.groups]
         else:
@@ -139,10 +141,10 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         reducers = []
         for domain, groups in self._by_domain():
             members = {p for g in groups for p in g.params}
-            reducers.append(GradientReducer(
+            reducers.append(FlatGradientReducer(
                 groups, [p for p in backward_order if p in members],
                 max(1, int(getattr(zero_config, "reduce_bucket_size", 5 * 10 ** 8))),
-                domain.comm, domain.rank, domain.world_size, _comm_dtype(kernel_config, self.accum_dtype),
+                domain.comm, domain.rank, domain.world_size, comm_dtype(kernel_config, self.accum_dtype),
                 self.groups[0].buffer.device, prescale=kernel_config.prescale_gradients,
                 predivide=kernel_config.gradient_predivide_factor,
                 reduce_scatter=bool(getattr(zero_config, "reduce_scatter", True)),
@@ -357,6 +359,8 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
                     index, lo = index + 1, lo + chunk.numel()
                 groups.append({**{k: v for k, v in current.items() if k != "params"}, **hyper, "params": ids})
             self.optimizer.load_state_dict({"state": states, "param_groups": groups})
+            if self.offload is not None:
+                self.offload.state_loaded()
 
     def _same_partitioning(self, state: dict) -> bool:
         return (state.get("layout") == "contiguous" and int(state.get("world_size", -1)) == self.world_size
@@ -425,6 +429,8 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.offload is not None:  # the device releases its storage (files, memory)
+            self.offload.close()
 
     # ------------------------------------------------------------------ full values of one parameter
     # Rank r holds the pieces of a parameter that fall into its partition (``FlatGroup.pieces``): a
@@ -574,12 +580,23 @@ def _check_groups(param_groups: List[dict], names: dict, stage: int) -> None:
 
 
 def _offload_master(zero_config, context, stage: int):
-    """``offload_optimizer``: the offload_device plugin's object for stages 1/2 (None: not offloaded)."""
-    section = getattr(zero_config, "offload_optimizer", None)
-    if section is None or section.device in (None, "none"):
+    """``offload_optimizer``: the master partitions kept in its device (None: not offloaded)."""
+    from .offload import HostMaster
+
+    devices = open_devices(zero_config, context)
+    if "offload_param" in devices:  # refused by the config rules; a stage built by hand gets this
+        for device in devices.values():
+            device.close()
+        raise ValueError(f"zero_optimization.offload_param: ZeRO stage {stage} does not offload parameters "
+                         "(a stage-3 feature)")
+    device = devices.get("offload_optimizer")
+    if device is None:
         return None
-    provided = context.registry.get("offload_device", section.device, what="zero_optimization.offload_optimizer.device")
-    return provided.spec.factory(section, context).zero12_master(stage, zero_config, context)
+    try:
+        return HostMaster(device, stage)
+    except BaseException:
+        device.close()
+        raise
 
 
 def _refuse_unimplemented(zero_config, stage: int) -> None:

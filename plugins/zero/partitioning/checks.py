@@ -1,4 +1,7 @@
-"""Which optimizers give the same result on a flat partition as on whole parameters.
+"""What a stage checks before it partitions: the optimizer (:func:`check_elementwise`) and the
+model (:func:`refuse_partitioned_params`).
+
+Which optimizers give the same result on a flat partition as on whole parameters.
 
 ZeRO stages 1 and 2 hand the optimizer one flat tensor per param group: this rank's slice of all
 the group's parameters laid end to end. An *element-wise* optimizer (each element's update
@@ -79,3 +82,10 @@ def check_elementwise(optimizer, stage: int, allow_untested: bool) -> None:
         f"steps one flat slice of all a group's parameters; that gives the same result only if every element's "
         f"update depends on that element alone. If it does, set \"zero_allow_untested_optimizer\": true at the top "
         f"level of the config (or give the class the attribute dsplug_elementwise = True); otherwise use stage 0.")
+
+
+def refuse_partitioned_params(module, stage: int) -> None:
+    """Stages 0-2 take whole parameters: a model built under ``dsplug.zero.Init`` needs stage 3."""
+    if any(hasattr(p, "ds_id") for p in module.parameters()):  # partitioned (stage 3's ds_* attributes)
+        raise ValueError(f"the model was built under dsplug.zero.Init, so its parameters are partitioned, but "
+                         f"zero_optimization.stage is {stage}; use stage 3 (or build the model without zero.Init)")

@@ -26,18 +26,11 @@ import torch
 
 from dsplug.contracts import ZeroStage
 
-from . import deepspeed_format as dsf
-from .buckets import GradientBuckets, reduction_domains
-from .gradients import unscale_check_clip
-
-
-def refuse_partitioned_params(module, stage: int) -> None:
-    """Stages 0-2 take whole parameters: a model built under ``dsplug.zero.Init`` needs stage 3."""
-    from .stage3.partitioned_param import is_partitioned
-
-    if any(is_partitioned(p) for p in module.parameters()):
-        raise ValueError(f"the model was built under dsplug.zero.Init, so its parameters are partitioned, but "
-                         f"zero_optimization.stage is {stage}; use stage 3 (or build the model without zero.Init)")
+from ..checkpoint import deepspeed_format as dsf
+from ..partitioning.gradients import comm_dtype, unscale_check_clip
+from ..partitioning.reductions import reduction_domains
+from .buckets import GradientBuckets
+from .traits import TRAITS
 
 
 class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
@@ -46,6 +39,7 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
     each rank's ``"stage"`` only says so."""
 
     stage = 0
+    traits = TRAITS
 
     def __init__(self, module: torch.nn.Module, param_groups: List[dict], build_optimizer, precision, zero_config,
                  kernel_config, context):
@@ -68,13 +62,13 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
         accum = precision.grad_accum_dtype or precision.model_dtype
         self.accum_dtype = accum
         self.accumulators: Dict[torch.nn.Parameter, torch.Tensor] = {}
-        comm_dtype = _comm_dtype(kernel_config, accum)
+        reduce_dtype = comm_dtype(kernel_config, accum)
         #: the parameters by where their gradients are averaged (``context.reduction_of``; key None:
         #: the data-parallel group): {key: (reduction, params)}
         self.domains = reduction_domains(self.params, context.reduction_of)
         self.buckets = BucketSets([GradientBuckets(
             params, bucket_elements=_bucket_elements(zero_config), comm=reduction.comm, world_size=reduction.divisor,
-            dtype=comm_dtype, prescale=kernel_config.prescale_gradients,
+            dtype=reduce_dtype, prescale=kernel_config.prescale_gradients,
             predivide=kernel_config.gradient_predivide_factor, grad_of=self._grad_of, set_grad=self._set_grad,
         ) for reduction, params in self.domains.values()]) if self.world_size > 1 else None
         self._boundary = True
@@ -382,15 +376,6 @@ def _global_norm(grads: List[torch.Tensor]) -> float:
         return 0.0
     norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
     return float(torch.linalg.vector_norm(torch.stack(norms), 2))
-
-
-def _comm_dtype(kernel_config, accum_dtype):
-    if kernel_config.fp32_allreduce:
-        return torch.float32
-    name = kernel_config.communication_data_type
-    if name:
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-    return accum_dtype
 
 
 #: stage 0 uses buckets of at most this many elements (or reduce_bucket_size if smaller) so that

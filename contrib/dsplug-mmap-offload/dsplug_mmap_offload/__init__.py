@@ -1,0 +1,1 @@
+"""dsplug-mmap-offload: the offload device ``mmap`` (memory-mapped files). See README.md."""
