@@ -16,9 +16,10 @@ built.
 
 Optimizer: ``build_optimizer`` gets plain tensors that alias the DTensors' local rows (the same
 storage), so every dsplug optimizer works (the native CPU Adam included) and steps exactly the
-rows this rank owns; an element-wise optimizer then gives what it gives on whole tensors.
-Optimizers that look at whole tensors (LAMB, 1-bit) are refused by the config rules from the
-traits (``partitions_optimizer_states``).
+rows this rank owns; an element-wise optimizer then gives what it gives on whole tensors. One
+that looks at whole tensors sees this rank's rows instead, as at ZeRO stages 1-3 (LAMB's trust
+ratio); the 1-bit optimizers and untested ones are refused by their config rules from the traits
+(``partitions_optimizer_states``).
 
 Step: unscale the fp32 gradient rows, the global norm is one all-reduce of the squared norms of
 every rank's rows (no padding is counted), overflow check, clip, step, drop the gradients.
