@@ -112,3 +112,25 @@ def harness_model():
     from dsplug.testing import tiny_model
 
     return tiny_model()
+
+
+@pytest.mark.parametrize("source,target", [("fsdp2", 3), (3, "fsdp2")])
+def test_module_weights_move_between_fsdp2_and_stage_3(tmp_path, source, target):
+    """load_module_only=True: the shared file holds the full module at both stages."""
+    saved = tiny_engine({"zero_optimization": {"stage": source}}, plugins=(plugin,))
+    train_steps(saved, 2)
+    saved.save_checkpoint(str(tmp_path), tag="t")
+    want = {k: v.clone() for k, v in saved.stage.module_state_dict().items()}
+    loaded = tiny_engine({"zero_optimization": {"stage": target}}, plugins=(plugin,), seed=1)
+    loaded.load_checkpoint(str(tmp_path), tag="t", load_module_only=True)
+    got = loaded.stage.module_state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_loading_another_stages_optimizer_state_says_what_to_do(tmp_path):
+    saved = tiny_engine({"zero_optimization": {"stage": 3}}, plugins=(plugin,))
+    train_steps(saved, 1)
+    saved.save_checkpoint(str(tmp_path), tag="t")
+    loaded = _engine()
+    with pytest.raises(Exception, match="not written by the ZeRO stage 'fsdp2'.*load_module_only=True"):
+        loaded.load_checkpoint(str(tmp_path), tag="t")
