@@ -83,6 +83,10 @@ def main(args) -> None:
             x, y = torch.randn(4, 12, generator=g), torch.randn(4, 1, generator=g)
             loss = ((engine(x.to(dtype)).float() - y) ** 2).mean()
             engine.backward(loss)
+            if step == result["start_step"] and micro == engine.gradient_accumulation_steps() - 1:
+                from dsplug.utils import safe_get_full_grad  # reduced, summed over the window, unclipped
+
+                result["first_grads"] = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
             engine.step()
             total += loss.item()
         result["losses"].append(total / engine.gradient_accumulation_steps())

@@ -102,7 +102,9 @@ class Fsdp2Stage(ZeroStage):
                 self.local[name] = torch.nn.Parameter(local, requires_grad=p.requires_grad)
                 self.rows[name] = (start, length)
         self.name_of_local = {id(t): n for n, t in self.local.items()}
+        self.name_of_param = {id(p): n for n, p in self.params.items()}
         self.trained = [n for names in group_names for n in names]
+        self.trained_set = set(self.trained)
         self.optimizer = build_optimizer([{**g, "params": [self.local[n] for n in names]}
                                           for g, names in zip(param_groups, group_names)])
         if self.optimizer is not None and self.optimizer.state:
@@ -214,10 +216,14 @@ class Fsdp2Stage(ZeroStage):
         return gather_rows(self.comm, rows, self.params[name].shape, self.world_size)
 
     def _name(self, param) -> Optional[str]:
-        for name, p in self.params.items():
-            if p is param:
-                return name
-        return None
+        """The name of one of the module's parameters (None for anything else)."""
+        name = self.name_of_param.get(id(param))
+        return name if name is not None and self.params[name] is param else None
+
+    def _trained_name(self, param) -> Optional[str]:
+        """The name of ``param`` when this stage's optimizer trains it, else None."""
+        name = self._name(param)
+        return name if name in self.trained_set else None
 
     def module_state_dict(self) -> Dict[str, Any]:
         """The full module state dict (parameters in the training dtype): one all-gather per
@@ -252,8 +258,8 @@ class Fsdp2Stage(ZeroStage):
                     continue
                 source = state[key]
                 if tuple(source.shape) != tuple(value.shape):
-                    raise RuntimeError(f"loading state_dict: {key!r} has shape {tuple(source.shape)} in the checkpoint, "
-                                       f"{tuple(value.shape)} in the model")
+                    raise RuntimeError(f"loading state_dict: {key!r} has shape {tuple(source.shape)} in the "
+                                       f"checkpoint, {tuple(value.shape)} in the model")
                 if isinstance(value, DTensor):
                     name = key if key in self.params else self._name(value)
                     start, length = self.rows[name]
@@ -265,8 +271,8 @@ class Fsdp2Stage(ZeroStage):
         """The sharded parameters are the masters: a module load already wrote them."""
 
     def full_fp32_param(self, param) -> Optional[torch.Tensor]:
-        name = self._name(param)
-        if name is None or not self.params[name].requires_grad:
+        name = self._trained_name(param)
+        if name is None:
             return None
         return self._full(name, self.local[name].detach().float())
 
@@ -279,14 +285,14 @@ class Fsdp2Stage(ZeroStage):
             self.local[name].copy_(value.reshape(self.params[name].shape).narrow(0, start, length))
 
     def full_grad(self, param) -> Optional[torch.Tensor]:
-        name = self._name(param)
+        name = self._trained_name(param)
         if name is None or self.params[name].grad is None:
             return None
         with torch.no_grad():
             return self._full(name, self.params[name].grad.to_local().float())
 
     def full_optimizer_state(self, param, key: str):
-        name = self._name(param)
+        name = self._trained_name(param)
         if name is None or self.optimizer is None:
             return None
         value = self.optimizer.state.get(self.local[name], {}).get(key)
@@ -297,7 +303,7 @@ class Fsdp2Stage(ZeroStage):
         return value
 
     def set_full_optimizer_state(self, param, key: str, value) -> None:
-        name = self._name(param)
+        name = self._trained_name(param)
         if name is None or self.optimizer is None:
             raise ValueError(f"ZeRO stage {STAGE_NAME!r}: not a parameter this stage's optimizer trains")
         mine = self.optimizer.state[self.local[name]].get(key)
