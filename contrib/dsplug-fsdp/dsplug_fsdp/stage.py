@@ -80,11 +80,14 @@ class Fsdp2Stage(ZeroStage):
                                  f"not the model's (shapes {missing}); FSDP2 shards the model's own parameters")
             group_names.append([names_before[id(p)] for p in group["params"]])
 
+        _check_torch(module)
+        options = context.config.section(SECTION)
+        units = units_to_shard(module, options.wrap)  # (checked before the model is touched)
         if self.master_weights:  # the sharded parameters are the fp32 masters (buffers keep the training dtype)
             with torch.no_grad():
                 for p in module.parameters():
                     p.data = p.data.to(torch.float32)
-        self._shard(module, context.config.section(SECTION), param_dtype, reduce_dtype, kernel, zero_config)
+        self._shard(module, units, options, param_dtype, reduce_dtype, kernel, zero_config)
 
         #: name -> the module's DTensor parameter; name -> plain tensor aliasing its local rows
         self.params: Dict[str, torch.nn.Parameter] = dict(module.named_parameters())
@@ -112,28 +115,17 @@ class Fsdp2Stage(ZeroStage):
                              "(its state would not match the sharded parameters)")
 
     # ------------------------------------------------------------------ building
-    def _shard(self, module, options, param_dtype, reduce_dtype, kernel, zero_config) -> None:
+    def _shard(self, module, units, options, param_dtype, reduce_dtype, kernel, zero_config) -> None:
+        """``fully_shard`` each unit, then the model, over the data-parallel group's mesh, with
+        both collectives through ``context.comm``."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        if not dist.is_initialized():
-            raise RuntimeError(f"ZeRO stage {STAGE_NAME!r} needs torch.distributed (FSDP2 builds a device mesh over "
-                               "the data-parallel group); initialize without dist_init_required=False")
-        for method in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
-                       "set_gradient_divide_factor"):
-            if not hasattr(FSDPModule, method):
-                raise RuntimeError(f"ZeRO stage {STAGE_NAME!r} needs FSDPModule.{method} (FSDP2 with custom "
-                                   f"collectives); torch {torch.__version__} has none: upgrade torch")
-        for name, p in module.named_parameters():
-            if p.dim() == 0:
-                raise ValueError(f"ZeRO stage {STAGE_NAME!r}: parameter {name!r} is a 0-dimensional tensor; FSDP2 "
-                                 "shards parameters by rows (reshape it to shape [1])")
-        device_type = next(module.parameters()).device.type if any(True for _ in module.parameters()) else "cpu"
-        group = getattr(self.comm, "group", None) or dist.group.WORLD
+        device_type = next(module.parameters()).device.type
+        group = getattr(self.comm, "group", None) or dist.group.WORLD  # (a GroupComm's; None: the world)
         mesh = DeviceMesh.from_group(group, device_type)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        units = units_to_shard(module, options.wrap)
         for unit in units + [module]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=policy)
         gather = CommAllGather(self.comm)
@@ -380,6 +372,27 @@ class Fsdp2Stage(ZeroStage):
 
 
 # ------------------------------------------------------------------ helpers
+def _check_torch(module) -> None:
+    """What FSDP2 needs here: a process group, custom collectives, parameters with rows."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"ZeRO stage {STAGE_NAME!r} needs torch.distributed (FSDP2 builds a device mesh over "
+                           "the data-parallel group); initialize without dist_init_required=False")
+    for method in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
+                   "set_gradient_divide_factor"):
+        if not hasattr(FSDPModule, method):
+            raise RuntimeError(f"ZeRO stage {STAGE_NAME!r} needs FSDPModule.{method} (FSDP2 with custom "
+                               f"collectives); torch {torch.__version__} has none: upgrade torch")
+    if not any(True for _ in module.parameters()):
+        raise ValueError(f"ZeRO stage {STAGE_NAME!r}: the model has no parameters to shard")
+    for name, p in module.named_parameters():
+        if p.dim() == 0:
+            raise ValueError(f"ZeRO stage {STAGE_NAME!r}: parameter {name!r} is a 0-dimensional tensor; FSDP2 "
+                             "shards parameters by rows (reshape it to shape [1])")
+
+
 def units_to_shard(module: torch.nn.Module, wrap: List[str]) -> List[torch.nn.Module]:
     """The submodules sharded as units of their own, innermost first (FSDP2 wants a unit's
     submodule units sharded before it). ``wrap``: class names (``fsdp2.wrap``); empty: the

@@ -134,3 +134,14 @@ def test_loading_another_stages_optimizer_state_says_what_to_do(tmp_path):
     loaded = _engine()
     with pytest.raises(Exception, match="not written by the ZeRO stage 'fsdp2'.*load_module_only=True"):
         loaded.load_checkpoint(str(tmp_path), tag="t")
+
+
+def test_save_16bit_model_writes_the_full_weights_in_the_training_dtype(tmp_path):
+    engine = _engine({"bf16": {"enabled": True}})
+    train_steps(engine, 2)
+    assert engine.save_16bit_model(str(tmp_path), "model.bin")
+    saved = torch.load(tmp_path / "model.bin", weights_only=True)
+    masters = {n: engine.stage.full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    assert set(saved) == set(masters)
+    for name, value in saved.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, masters[name].to(torch.bfloat16)), name
