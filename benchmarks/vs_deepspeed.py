@@ -16,6 +16,8 @@ MLP of Linear(width, width) layers with GELU between (fp32, AdamW, lr 1e-3), mic
 ``--micro``, ``--warmup`` untimed steps, then the median of ``--steps`` timed optimizer steps
 (forward + backward + step, the slowest rank). Configs are DeepSpeed-format JSON given to both
 frameworks unchanged; offload variants use DeepSpeed's CPU Adam and dsplug's native CPU Adam.
+The ``fsdp2`` variant is contrib/dsplug-fsdp's ZeRO stage on PyTorch FSDP2 (dsplug only; its
+``/stage 0`` ratio and stage 3's compare the two sharded stages).
 The rounds interleave the frameworks so that machine noise hits both.
 """
 from __future__ import annotations
@@ -37,7 +39,13 @@ VARIANTS = {
     "stage 2 + offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     "stage 3": {"stage": 3},
     "stage 3 + offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    # contrib/dsplug-fsdp's stage on PyTorch FSDP2 (registered from the source tree when it is not
+    # installed); DeepSpeed has no such stage, so its column stays empty
+    "fsdp2": {"stage": "fsdp2"},
 }
+#: variants only dsplug runs
+DSPLUG_ONLY = {"fsdp2"}
+FSDP_CONTRIB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "contrib", "dsplug-fsdp")
 
 
 def config(zero: dict, micro: int) -> dict:
@@ -73,6 +81,8 @@ def worker(framework: str, width: int, layers: int, micro: int, warmup: int, ste
             opt.step()
     else:
         lib = __import__("deepspeed" if framework == "deepspeed" else "dsplug")
+        if framework == "dsplug" and str(cfg["zero_optimization"]["stage"]) == "fsdp2":
+            _ensure_fsdp2()
         lib.init_distributed(dist_backend="gloo") if framework == "deepspeed" else lib.init_distributed()
         engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
@@ -95,6 +105,18 @@ def worker(framework: str, width: int, layers: int, micro: int, warmup: int, ste
         print("RESULT " + json.dumps({"median_s": statistics.median(times)}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _ensure_fsdp2() -> None:
+    """The ``fsdp2`` stage: the installed dsplug-fsdp, else contrib/dsplug-fsdp from this tree."""
+    from dsplug.registry import get_registry
+
+    registry = get_registry()
+    if registry.find("zero_stage", "fsdp2") is None:
+        sys.path.insert(0, FSDP_CONTRIB)
+        import dsplug_fsdp.plugin
+
+        registry.register(dsplug_fsdp.plugin, distribution="dsplug-fsdp (source tree)")
 
 
 # ------------------------------------------------------------------------------ launching
@@ -200,7 +222,7 @@ def main(argv=None) -> None:
                 if got is None:
                     print(f"  dsplug {variant}: failed: {err}")
                 results.setdefault(("dsplug", variant), []).append(got)
-                if ds_python:
+                if ds_python and variant not in DSPLUG_ONLY:
                     got, err = launch(ds_python, "deepspeed", args, width, layers, cfg, _deepspeed_env(args))
                     if got is None:
                         print(f"  DeepSpeed {variant}: failed: {err}")
