@@ -13,6 +13,7 @@ from dsplug.config import ConfigError, DsplugConfig
 from dsplug.registry import BLOCK_ENV, PluginConflictError, PluginNotFoundError, Registry
 
 from .conftest import write_distribution
+from tests.conftest import scaled
 
 FROB = '''
 from dsplug import PluginSpec, hookimpl
@@ -201,9 +202,9 @@ def test_the_users_ctrl_c_during_plugin_import_is_not_contained(temp_site, clean
     write_distribution(temp_site, "slow-dist", "0.1", {"slow": "slow_plugin"}, {"slow_plugin": slow})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(temp_site), os.environ.get("PYTHONPATH", "")]))
     listed = subprocess.run([sys.executable, "-m", "dsplug.cli", "list"], env=env, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=scaled(120))
     assert listed.returncode == 130, (listed.returncode, listed.stderr)
-    done = subprocess.run([sys.executable, "-c", INITIALIZE], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", INITIALIZE], env=env, capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr and "trained" not in done.stdout
 
 

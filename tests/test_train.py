@@ -27,6 +27,7 @@ from dsplug.plugins.train.loop import main as train_main
 from dsplug.plugins.train.model import CharTransformer, ModelConfig
 from dsplug.plugins.train.options import worker_argv
 from dsplug.plugins.train.progress import ProgressBar
+from tests.conftest import scaled
 
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--sample-chars", "20"]
 LOSS_CSV = "Train_Samples_train_loss.csv"
@@ -48,7 +49,7 @@ def run_train(*args, cwd, timeout=240):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)
     return subprocess.run([sys.executable, "-m", "dsplug.cli", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def printed_path(stdout: str, label: str) -> Path:
@@ -176,7 +177,7 @@ def interrupted_run(*args, cwd, after_step=3, timeout=300):
             if match and int(match.group(1)) >= after_step:
                 os.killpg(proc.pid, signal.SIGINT)
                 break
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=scaled(timeout))
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
