@@ -113,7 +113,7 @@ def merge(results, scope: str, owners: Dict[str, str]) -> Dict[str, Any]:
         if not isinstance(contribution, dict):
             raise ckpt.CheckpointError(f"plugin {plugin!r}: dsplug_checkpoint_state returned "
                                        f"{type(contribution).__name__} for scope {scope!r}; expected a dict "
-                                       "{key: state} (or None); nothing was saved")
+                                       "{key: state} (or nothing); nothing was saved")
         for key, value in contribution.items():
             if not isinstance(key, str):
                 raise ckpt.CheckpointError(f"plugin {plugin!r}: dsplug_checkpoint_state returned the key {key!r} "
@@ -139,7 +139,7 @@ def save_state(state: Dict[str, Any], path: str, owners: Dict[str, str], scope: 
     and the plugin that contributed it (found by saving each value alone, on the error path only)."""
     try:
         return ckpt.atomic_save(state, path)
-    except ckpt.CheckpointError:
+    except (ckpt.CheckpointError, OSError):  # a write error says itself what went wrong
         raise
     except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
         for key, value in state.items():
@@ -248,6 +248,8 @@ def _save_staged(engine, save_dir, tag, client_state, save_latest: bool, exclude
         for name, state in extra.items():
             try:
                 files[name] = ckpt.atomic_save(state, os.path.join(staging, name))
+            except OSError:
+                raise
             except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
                 raise ckpt.CheckpointError(f"checkpoint file {name!r} from plugin {owners['files'][name]!r} cannot be "
                                            f"saved: {type(exc).__name__}: {_first_line(exc)}; nothing was saved") from exc
@@ -348,7 +350,7 @@ def load_checkpoint(engine, load_dir, tag=None, **flags):
         _on_every_rank("reading", lambda: _refuse_without_manifest(engine, path))
     shared, own, rng = _on_every_rank("reading", read_own_files, same_error=True)[engine.global_rank]
     if unverified["kind"] == "foreign":
-        log_rank0(f"warning: checkpoint {path} has no {ckpt.MANIFEST} and none of dsplug's files: it was written by "
+        log_rank0(f"warning: checkpoint {path} has no {ckpt.MANIFEST} nor any of dsplug's files: it was written by "
                   "DeepSpeed (or another tool), so its files load unverified (a flipped or truncated byte cannot be "
                   "detected)", logging.WARNING)
     view = CheckpointView(model=shared, rank=own, saved_world_size=int(shared.get("world_size", 1)),
