@@ -385,7 +385,7 @@ def arm_exit() -> None:
     def excepthook(kind, value, tb):
         previous_hook(kind, value, tb)
         if last_failure() is not None:
-            leave(1)
+            leave(130 if issubclass(kind, KeyboardInterrupt) else 1)
 
     sys.excepthook = excepthook
     real_exit = sys.exit

@@ -163,7 +163,7 @@ def load_pipeline_checkpoint(engine, load_dir, tag, flags: Dict[str, Any], same_
                       "checkpoint)", logging.WARNING)
             return None, None
     tag = str(tag)
-    path = os.path.join(load_dir, tag)
+    path = os.path.join(load_dir, ckpt.check_tag(tag))  # a plain tag name inside load_dir
     model_repr = module._model_repr()
     index0 = _agree("reading the layout", lambda: _read_index(path, 0, model_repr))
     if index0 is None or (index0["num_stages"] == module.num_stages and list(index0["parts"]) == list(module.parts)):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dsplug.checkpoint import MODEL_FILE, CheckpointError, LATEST, atomic_save, load_file, optim_file
+from dsplug.checkpoint import MODEL_FILE, CheckpointError, LATEST, atomic_save, check_tag, load_file, optim_file
 
 LAYOUTS = ("contiguous", "per_param")
 
@@ -227,7 +227,7 @@ def resolve_tag_dir(checkpoint_dir: str, tag: Optional[str] = None) -> str:
                                   f"({_tags_hint(checkpoint_dir)})")
         with open(latest) as f:
             tag = f.read().strip()
-    path = os.path.join(checkpoint_dir, str(tag))
+    path = os.path.join(checkpoint_dir, check_tag(str(tag)))  # a plain tag name inside checkpoint_dir
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint tag directory {path} does not exist ({_tags_hint(checkpoint_dir)})")
     return path
