@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
 import torch
 

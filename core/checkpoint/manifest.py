@@ -19,7 +19,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from . import MANIFEST, OWNER, CheckpointError, atomic_write_bytes
+from . import MANIFEST, CheckpointError, atomic_write_bytes
 from .tags import inside
 
 #: files of the save directory (next to the tags) that a manifest may record
