@@ -42,6 +42,49 @@ class PluginError(Exception):
     """A problem with the set of installed plugins or with selecting one."""
 
 
+def run_plugin_code(fn):
+    """``fn()`` -> ``(result, None)``, or ``(None, exc)`` when plugin code raised anything — any
+    :class:`BaseException` too (``SystemExit``, ``GeneratorExit``, a ``KeyboardInterrupt`` the
+    plugin raised itself) — so that one broken plugin never takes the kernel down.
+
+    The user's real Ctrl-C is not contained: while ``fn`` runs in the main thread a SIGINT handler
+    notes that a signal arrived (and then does what the previous handler does); a
+    ``KeyboardInterrupt`` is re-raised exactly when a SIGINT was seen. Elsewhere than in the main
+    thread no signal can raise there, so a ``KeyboardInterrupt`` is always the plugin's own."""
+    import signal
+    import threading
+
+    seen = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+
+        def noting(signum, frame):
+            seen.append(signum)
+            if callable(previous):
+                return previous(signum, frame)
+            if previous == signal.SIG_DFL:
+                return signal.default_int_handler(signum, frame)
+            return None  # SIG_IGN
+
+        try:
+            if previous is not None:  # None: a handler not set from Python, which cannot be restored
+                signal.signal(signal.SIGINT, noting)
+        except (ValueError, OSError):  # not allowed here: leave the handler alone
+            previous = None
+    try:
+        return fn(), None
+    except KeyboardInterrupt as exc:
+        if seen:
+            raise
+        return None, exc
+    except BaseException as exc:  # noqa: BLE001 - contained: the caller reports the plugin as broken
+        return None, exc
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 class PluginConflictError(PluginError):
     pass
 
@@ -128,9 +171,8 @@ class Registry:
             if self._is_blocked(ep.name, dist_name):
                 self.skipped.append((f"entry point {ep.name} ({dist_name})", BLOCK_ENV))
                 continue
-            try:
-                plugin = ep.load()
-            except (Exception, SystemExit) as exc:  # a broken third-party plugin must not take the kernel down
+            plugin, exc = run_plugin_code(ep.load)  # a broken third-party plugin must not take the kernel down
+            if exc is not None:
                 self._broken(ep.name, dist_name, exc)
                 continue
             if self.pm.is_registered(plugin):
@@ -184,11 +226,14 @@ class Registry:
             # dsplug's own plugins first, then registration order: on a conflict the first claim stays
             for impl in sorted(hook.get_hookimpls(), key=lambda i: self._origin.get(id(i.plugin), ("",))[0] != PROJECT):
                 origin = self._origin.get(id(impl.plugin), ("<unknown>", "?", impl.plugin_name))
-                try:
-                    specs = list(call_impl(impl, {}) or [])
-                    for spec in specs:
-                        self._check_spec(category, hook_name, spec, origin)
-                except Exception as exc:  # a plugin whose hook raises or returns junk is reported, not fatal
+                specs, exc = run_plugin_code(lambda: list(call_impl(impl, {}) or []))
+                if exc is None:
+                    try:
+                        for spec in specs:
+                            self._check_spec(category, hook_name, spec, origin)
+                    except Exception as error:  # a plugin whose hook returns junk is reported, not fatal
+                        exc = error
+                if exc is not None:
                     self._broken(origin[2], origin[0], exc)
                     continue
                 for spec in specs:
@@ -302,12 +347,11 @@ class Registry:
         out = []
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             origin = self.origin(impl.plugin)
-            try:
-                items = list(call_impl(impl, {}) or [])
-                bad = [i for i in items if not isinstance(i, kind)]
-                if bad:
-                    raise PluginError(f"{hook_name} returned {bad[0]!r}; expected {kind.__module__}.{kind.__name__}")
-            except Exception as exc:  # noqa: BLE001 - one bad plugin never takes dsplug down
+            items, exc = run_plugin_code(lambda: list(call_impl(impl, {}) or []))  # one bad plugin never takes dsplug down
+            bad = [i for i in items or () if not isinstance(i, kind)]
+            if exc is None and bad:
+                exc = PluginError(f"{hook_name} returned {bad[0]!r}; expected {kind.__module__}.{kind.__name__}")
+            if exc is not None:
                 self._broken(origin[2], origin[0], exc)
                 continue
             out.extend((item, origin) for item in items)

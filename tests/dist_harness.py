@@ -11,11 +11,12 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
 
-from .conftest import REPO, free_port
+from .conftest import REPO, TIMEOUT_SCALE_ENV, Deadline, free_port, timeout_factor
 
 
 def _child(fn, rank, world_size, port, out_path, args):
@@ -35,6 +36,8 @@ def _child(fn, rank, world_size, port, out_path, args):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
+    """``timeout``: seconds of a quiet machine for all ranks to finish; it stretches with the
+    machine's speed and load (:class:`tests.conftest.Deadline`)."""
     ctx = mp.get_context("spawn")
     # children unpickle ``fn`` from the ``tests`` package: make sure its root is on the path they copy
     if str(REPO) not in sys.path:
@@ -45,12 +48,24 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, paths[r], args)) for r in range(world_size)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        deadline = Deadline(timeout)
+        while any(p.is_alive() for p in procs) and not deadline.expired():
+            time.sleep(deadline.slice(0.2))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
-                raise TimeoutError(f"a rank of {fn.__name__} did not finish within {timeout}s")
+                p.join()
+        if hung:
+            failed = [r for r, path in enumerate(paths) if os.path.exists(path)
+                      and not torch.load(path, weights_only=False)["ok"]]
+            if failed:  # the others were waiting for it
+                out = torch.load(paths[failed[0]], weights_only=False)
+                raise RuntimeError(f"rank {failed[0]} of {fn.__name__} failed (ranks {hung} were still running and "
+                                   f"were killed):\n{out['error']}")
+            raise TimeoutError(f"ranks {hung} of {fn.__name__} did not finish within {timeout:g} s of a quiet machine "
+                               f"({deadline.used:.0f} s counted; load factor now {timeout_factor():.1f}, "
+                               f"{TIMEOUT_SCALE_ENV}={os.environ.get(TIMEOUT_SCALE_ENV)})")
         results = []
         for r, path in enumerate(paths):
             if not os.path.exists(path):

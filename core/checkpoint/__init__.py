@@ -1,4 +1,5 @@
-"""Checkpoint files: layout, crash-safe writes, safe loads.
+"""Checkpoint files: layout, crash-safe writes, safe loads (tags: :mod:`.tags`, manifests:
+:mod:`.manifest`, retention and resume: :mod:`.retention`).
 
 Layout (DeepSpeed-like)::
 
@@ -11,7 +12,9 @@ Layout (DeepSpeed-like)::
 A save writes the whole tag into ``save_dir/<tag>.partial`` (each file to a temp name, fsynced,
 renamed), writes the manifest last, then swaps the directory in and rewrites ``latest``. A crash
 at any point leaves the previous checkpoint and ``latest`` untouched; a tag directory with a
-manifest is complete. Every load checks the file it reads against the manifest.
+manifest is complete. Every load checks the file it reads against the manifest; a tag dsplug
+wrote that lost its manifest is refused (``checkpoint.require_manifest``), one DeepSpeed wrote
+(no manifest, none of dsplug's own files) loads with a warning that it is unverified.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
 import torch
 
@@ -85,51 +88,12 @@ def atomic_save(obj: Any, path: str) -> Dict[str, Any]:
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def write_manifest(tag_dir: str, files: Dict[str, Dict[str, Any]], **info) -> None:
-    """Write ``manifest.json`` (the last file of a tag: its presence marks the tag complete)."""
-    body = {"format": 1, "created": time.time(), **info, "files": dict(sorted(files.items()))}
-    atomic_write_bytes(os.path.join(tag_dir, MANIFEST), json.dumps(body, indent=1).encode())
-
-
-def read_manifest(tag_dir: str) -> Optional[Dict[str, Any]]:
-    path = os.path.join(tag_dir, MANIFEST)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError("no 'files' table")
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint manifest {path} is corrupt or unreadable: {exc}") from exc
-    return manifest
-
-
-def verify(tag_dir: str) -> List[str]:
-    """Problems with the tag directory against its manifest (empty: every file matches)."""
-    manifest = read_manifest(tag_dir)
-    if manifest is None:
-        return [f"{tag_dir} has no {MANIFEST}: it is incomplete, or was not written by dsplug"]
-    problems = []
-    for name, entry in manifest["files"].items():
-        path = os.path.join(tag_dir, name)
-        if not os.path.isfile(path):
-            problems.append(f"{path} is missing")
-            continue
-        with open(path, "rb") as f:
-            problem = _mismatch(path, f.read(), entry)
-        if problem:
-            problems.append(problem)
-    return problems
-
-
-def _mismatch(path: str, data: bytes, entry: Dict[str, Any]) -> Optional[str]:
-    if len(data) != entry.get("bytes"):
-        return f"{path} has {len(data)} bytes but its manifest says {entry.get('bytes')}"
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.get("sha256"):
-        return f"{path} does not match its manifest (sha256 {digest[:16]}..., expected {str(entry.get('sha256'))[:16]}...)"
-    return None
+# the parts (they use the names above): tag rules, manifests, retention and resume
+from .tags import MAX_TAG_BYTES, RESERVED_NAMES, check_tag, inside, read_latest, resolve_tag, tag_problem  # noqa: E402
+from .manifest import (ROOT_FILES, file_entry, kind, read_manifest, verify, verify_save_dir_files,  # noqa: E402
+                       write_manifest)
+from .manifest import mismatch as _mismatch  # noqa: E402
+from .retention import complete_tags, lineage, newest_tag, next_save_seq, prune, resume_tag  # noqa: E402
 
 
 def partial_dir(save_dir: str, tag: str) -> str:
@@ -184,38 +148,14 @@ def reclaim_leftovers(save_dir: str) -> List[str]:
             pid = name.rsplit(".tmp-", 1)[1]
             stale = pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
         elif name.endswith(".old") and os.path.isdir(path):
-            stale = read_manifest(path[:-len(".old")]) is not None if os.path.isdir(path[:-len(".old")]) else False
+            try:
+                stale = os.path.isdir(path[:-len(".old")]) and read_manifest(path[:-len(".old")]) is not None
+            except CheckpointError:
+                stale = False
         if stale:
             shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
             removed.append(name)
     return removed
-
-
-def complete_tags(save_dir: str) -> List[Tuple[str, Dict[str, Any]]]:
-    """``(tag, manifest)`` of every complete tag in ``save_dir``, oldest first."""
-    found = []
-    if not os.path.isdir(save_dir):
-        return found
-    for name in os.listdir(save_dir):
-        path = os.path.join(save_dir, name)
-        if name.endswith((".partial", ".old")) or not os.path.isdir(path):
-            continue
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError:
-            continue
-        if manifest is not None:
-            found.append((name, manifest))
-    return sorted(found, key=lambda t: (t[1].get("global_steps", 0), t[1].get("created", 0.0)))
-
-
-def prune(save_dir: str, keep_last: int, keep: Tuple[str, ...] = ()) -> List[str]:
-    """(rank 0, after a complete save) delete the oldest complete tags beyond ``keep_last``."""
-    tags = [t for t, _ in complete_tags(save_dir)]
-    doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t not in keep]
-    for tag in doomed:
-        shutil.rmtree(os.path.join(save_dir, tag))
-    return doomed
 
 
 def commit(save_dir: str, tag: str, save_latest: bool) -> str:
@@ -241,49 +181,6 @@ def commit(save_dir: str, tag: str, save_latest: bool) -> str:
     return final
 
 
-def check_tag(tag: str) -> None:
-    if not tag or "/" in tag or tag in (".", "..") or tag.endswith((".partial", ".old")):
-        raise CheckpointError(f"checkpoint tag {tag!r} is not valid: use a plain name without '/', "
-                              "not ending in .partial or .old")
-
-
-def read_latest(load_dir: str) -> Optional[str]:
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        tag = f.read().decode("utf-8", errors="replace").strip()
-    if not tag:
-        raise CheckpointError(f"{path} is empty; it should hold the tag of the newest checkpoint")
-    try:
-        check_tag(tag)
-    except CheckpointError:
-        raise CheckpointError(f"{path} names {tag!r}, which is not a tag directory inside {load_dir}; "
-                              "'latest' must hold a plain tag name") from None
-    return tag
-
-
-def newest_tag(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
-    """The tag to resume from and, when it is not the one ``latest`` names, why.
-
-    A save that died after its tag was complete but before ``latest`` moved leaves a complete tag
-    newer than ``latest`` (saved with ``save_latest``): that one is picked, and the reason says so.
-    """
-    latest = read_latest(load_dir)
-    candidates = [(t, m) for t, m in complete_tags(load_dir) if m.get("save_latest", True)]
-    newest = candidates[-1][0] if candidates else None
-    if newest is None or newest == latest:
-        return latest, None
-    if latest is None:
-        return newest, f"no 'latest' file in {load_dir}, but tag {newest!r} is complete (a save died before " \
-                       "writing 'latest'); loading it"
-    ranked = [t for t, _ in candidates]
-    if latest in ranked and ranked.index(latest) > ranked.index(newest):
-        return latest, None
-    return newest, f"'latest' in {load_dir} names {latest!r}, but {newest!r} is newer and complete (a save died " \
-                   "before updating 'latest'); loading it"
-
-
 def read_file_bytes(path: str) -> bytes:
     """The bytes of a checkpoint file, checked against the tag's manifest when there is one (a
     flipped byte is named, never returned); errors name the file."""
@@ -293,9 +190,14 @@ def read_file_bytes(path: str) -> bytes:
         raise CheckpointError(f"checkpoint file {path} is missing" +
                               (f" (the directory holds: {', '.join(present)})" if present else
                                " (its directory does not exist)"))
+    tag_dir = os.path.dirname(path) or "."
+    root = os.path.dirname(os.path.abspath(tag_dir))
+    if not inside(root, path):
+        raise CheckpointError(f"checkpoint file {path} resolves to {os.path.realpath(path)}, outside the checkpoint "
+                              f"directory {root} (a symbolic link?); it is not loaded")
     with open(path, "rb") as f:
         data = f.read()
-    manifest = read_manifest(os.path.dirname(path) or ".")
+    manifest = read_manifest(tag_dir)
     entry = manifest["files"].get(os.path.basename(path)) if manifest is not None else None
     if manifest is not None and entry is None:
         raise CheckpointError(f"checkpoint file {path} is not listed in its tag's {MANIFEST}; it was not part "

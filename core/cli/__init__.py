@@ -42,9 +42,9 @@ def build_parser(registry=None) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        parser = build_parser()  # loads the plugins: a Ctrl-C there ends the command like one later
+        args = parser.parse_args(argv)
         code = args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -14,6 +14,15 @@
 * **No second wait.** After a failure the group is unusable (gloo closes the pairs it timed out
   on): every later collective on it raises at once instead of waiting out the bound again, so
   a survivor's error path (and its exit) is bounded by one timeout.
+* **A bounded exit.** A process whose group failed does not go through the interpreter's own
+  teardown, which can take tens of seconds there (collecting every module with a process group
+  whose peer is dead or stopped): when it ends — an uncaught exception (status 1) or
+  ``sys.exit(status)`` — the exit handlers run (monitors close their files, logging flushes) for
+  at most :data:`EXIT_FLUSH_S` seconds, stdout and stderr are flushed, and the process leaves
+  with ``os._exit``. So it exits within ``comm_timeout_s`` + a few seconds of the fault. A script
+  that catches the :class:`CommError` and returns normally keeps the ordinary (slow) exit: its
+  status cannot be known early; end it with ``sys.exit(...)``. A group made anew after the
+  failure (elastic recovery) disarms this.
 """
 from __future__ import annotations
 
@@ -278,6 +287,7 @@ def failure(collective: str, started: float, exc: BaseException) -> BaseExceptio
     if _state["failure"] is None or _state["failed_group"] != _group_id():
         _state.update(failure=error, failed_group=_group_id())
         print(message, file=sys.stderr, flush=True)
+        arm_exit()
     return error
 
 
@@ -356,3 +366,88 @@ def bounded_wait(work, gloo: bool) -> None:
 def peers() -> Dict[int, Tuple]:
     """Recorded ``rank -> (hostname, pid, start time)`` of the default group."""
     return dict(_state["peers"] or {})
+
+
+# ------------------------------------------------------------------------------ leaving after a failure
+#: seconds the exit handlers may take after a comm failure before the process leaves anyway
+EXIT_FLUSH_S = 2.0
+_exit: Dict[str, object] = {"armed": False, "status": None}
+
+
+def arm_exit() -> None:
+    """(at the first failure) make this process leave promptly when it ends: an uncaught
+    exception (after the traceback is printed) or ``sys.exit`` then ends in :func:`leave`."""
+    if _exit["armed"]:
+        return
+    _exit["armed"] = True
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        previous_hook(kind, value, tb)
+        if last_failure() is not None:
+            leave(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    sys.excepthook = excepthook
+    real_exit = sys.exit
+
+    def exit_(status=None):
+        _exit["status"] = (status,)
+        real_exit(status)
+
+    exit_.__doc__ = real_exit.__doc__
+    sys.exit = exit_
+    import atexit
+
+    atexit.register(_leave_at_exit)  # registered now: runs before the handlers registered earlier
+
+
+def _leave_at_exit() -> None:
+    if last_failure() is None or _exit["status"] is None:
+        return  # no failure on the current group, or an exit status we cannot know: the usual exit
+    leave(exit_status(_exit["status"][0]))
+
+
+def exit_status(code) -> int:
+    """The status Python gives ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def leave(status: int) -> None:
+    """Flush and end this process now, skipping the interpreter's teardown: the remaining exit
+    handlers run for at most :data:`EXIT_FLUSH_S` seconds (the comm layer's own, which destroys
+    the failed group, is skipped), then stdout / stderr are flushed and ``os._exit(status)``."""
+    import atexit
+    import threading
+
+    threading.Thread(target=_leave_after, args=(EXIT_FLUSH_S, status), daemon=True, name="dsplug-exit").start()
+    atexit.unregister(_leave_at_exit)
+    comm_module = sys.modules.get(__name__.rsplit(".", 1)[0])
+    for name in ("_let_workers_finish_at_exit", "_destroy_at_exit"):
+        handler = getattr(comm_module, name, None)
+        if handler is not None:
+            atexit.unregister(handler)
+    try:
+        atexit._run_exitfuncs()  # monitors close their files, logging flushes
+    except BaseException:  # noqa: BLE001 - leaving anyway
+        pass
+    _hard_exit(status)
+
+
+def _leave_after(seconds: float, status: int) -> None:
+    time.sleep(seconds)
+    print(f"dsplug: exit handlers still running {seconds:g} s after the comm failure; leaving now", file=sys.stderr)
+    _hard_exit(status)
+
+
+def _hard_exit(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream
+            pass
+    os._exit(status)

@@ -133,10 +133,10 @@ class DsplugConfig(abc.Mapping):
             report.error(f"{key}.type", str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc))
             return None
         schema_cls = provided.spec.schema
-        if schema_cls is None:
-            report.error(f"{key}.params", f"plugin {provided.category}:{provided.name} (distribution "
-                         f"{provided.distribution!r}) declares no schema for its params, so they cannot be checked")
-            return None
+        if schema_cls is None:  # "takes no config": selectable with no params
+            if not _takes_no_config(f"{key}.params", chosen.params, provided, report):
+                return None
+            return Selected(provided=provided, params={}, type=chosen.type)
         params = parse(schema_cls, chosen.params, f"{key}.params", report)
         return Selected(provided=provided, params=params, type=chosen.type)
 
@@ -153,8 +153,9 @@ class DsplugConfig(abc.Mapping):
             if conflict is not None:
                 report.error(key, conflict)
             elif owner is not None:
-                if owner.spec.schema is None:
-                    report.error(key, f"plugin {owner.category}:{owner.name} owns this section but declares no schema")
+                if owner.spec.schema is None:  # "takes no config": the section is present and empty
+                    if _takes_no_config(key, value, owner, report):
+                        self.sections[key] = {}
                     continue
                 self.sections[key] = parse(owner.spec.schema, value, key, report)
             elif key in DOCUMENTED_SECTIONS:
@@ -190,7 +191,8 @@ class DsplugConfig(abc.Mapping):
                                  + f" (installed: {', '.join(self.registry.names('compression')) or 'none'})")
                 continue
             if provided.spec.schema is None:
-                report.error(path, f"plugin compression:{provided.name} declares no schema, so it cannot be checked")
+                if _takes_no_config(path, body, provided, report):
+                    self.compression.append((provided, {}))
                 continue
             self.compression.append((provided, parse(provided.spec.schema, body, path, report)))
 
@@ -352,6 +354,17 @@ class DsplugConfig(abc.Mapping):
         return f"DsplugConfig(source={self.source!r}, world_size={self.world_size})"
 
 
+def _takes_no_config(path: str, value, provided, report: Report) -> bool:
+    """A plugin whose spec has ``schema=None`` takes no config: ``value`` must be empty (``{}`` or
+    null). Reports an error naming the keys given otherwise."""
+    if value is None or (isinstance(value, Mapping) and not value):
+        return True
+    given = ", ".join(map(repr, value)) if isinstance(value, Mapping) else repr(value)
+    report.error(path, f"plugin {provided.category}:{provided.name} (distribution {provided.distribution!r}) takes no "
+                 f"config (its PluginSpec has schema=None), but {given} was given; remove it or leave it empty")
+    return False
+
+
 def to_dict_of(config: DsplugConfig) -> Dict[str, Any]:
     """The resolved config as JSON-ready data (defaults filled in)."""
     out = {k: v for k, v in to_dict(config.kernel).items() if k in config.raw or k in BATCH_KEYS}
@@ -361,9 +374,10 @@ def to_dict_of(config: DsplugConfig) -> Dict[str, Any]:
             params = to_dict(selected.params) if attrs.has(type(selected.params)) else dict(selected.params)
             out[key] = {"type": selected.type, "params": params}
     for name, section in config.sections.items():
-        out[name] = to_dict(section)
+        out[name] = to_dict(section) if attrs.has(type(section)) else dict(section)
     if config.compression:
-        out[COMPRESSION_SECTION] = {p.name: to_dict(section) for p, section in config.compression}
+        out[COMPRESSION_SECTION] = {p.name: to_dict(section) if attrs.has(type(section)) else dict(section)
+                                    for p, section in config.compression}
     return out
 
 

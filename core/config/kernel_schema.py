@@ -30,8 +30,11 @@ class CheckpointConfig:
     use_node_local_storage: bool = field(False, doc="each node saves to its own local storage", inert='checkpoints are written to one shared directory')
     parallel_write: ParallelWriteConfig = field(factory=ParallelWriteConfig)
     weights_only: bool = field(True, doc="dsplug: torch.load(weights_only=True) when loading")
-    keep_last: Optional[int] = field(None, ge=1, le=1_000_000, doc="dsplug: keep only the newest N complete "
-                                     "checkpoints in the save directory (older tags are deleted after a save completes)")
+    keep_last: Optional[int] = field(None, ge=1, le=1_000_000, doc="dsplug: keep N complete checkpoints in the save "
+                                     "directory (after a save completes; never the one 'latest' names or the one "
+                                     "this run loaded; a branch a rollback abandoned goes first)")
+    require_manifest: bool = field(True, doc="dsplug: refuse a checkpoint dsplug wrote whose manifest.json is missing "
+                                   "(false: load it unverified, e.g. after deleting the manifest on purpose)")
 
 
 @schema

@@ -322,7 +322,9 @@ def enable(target: Optional[Target] = None) -> List[str]:
     """Write the shim, the dist-info and the ``deepspeed`` command; returns report lines.
 
     Idempotent: an existing alias (of any dsplug version) is replaced by the current one.
-    Raises :class:`AliasError` next to a real DeepSpeed.
+    Raises :class:`AliasError` next to a real DeepSpeed. All or nothing: a path that cannot be
+    written (``bin`` is a file, a read-only directory) is named in an :class:`AliasError` and the
+    environment is left as it was (files written are removed, a replaced alias restored).
     """
     target = target or current_target()
     state = inspect(target)
@@ -331,26 +333,32 @@ def enable(target: Optional[Target] = None) -> List[str]:
     dsplug_ver = dsplug_version()
     version = alias_version(dsplug_ver)
     previous = state.version if state.enabled else None
-    if state.enabled:
-        _remove(state)
     purelib = target.purelib
     shim = purelib / PACKAGE / "__init__.py"
     script = target.scripts / SCRIPT
     info = purelib / f"deepspeed-{version}.dist-info"
-    written = {
-        shim: _write(shim, shim_source(version)),
-        script: _write(script, script_source(version), mode=0o755),
-        info / "METADATA": _write(info / "METADATA", metadata_text(version, dsplug_ver)),
-        info / "INSTALLER": _write(info / "INSTALLER", "dsplug\n"),
-        info / "entry_points.txt": _write(info / "entry_points.txt", ENTRY_POINTS),
-        info / "top_level.txt": _write(info / "top_level.txt", f"{PACKAGE}\n"),
+    contents = {
+        shim: (shim_source(version), None),
+        script: (script_source(version), 0o755),
+        info / "METADATA": (metadata_text(version, dsplug_ver), None),
+        info / "INSTALLER": ("dsplug\n", None),
+        info / "entry_points.txt": (ENTRY_POINTS, None),
+        info / "top_level.txt": (f"{PACKAGE}\n", None),
     }
-    record = io.StringIO()
-    rows = csv.writer(record, lineterminator="\n")
-    for path, data in written.items():
-        rows.writerow([_rel(path, purelib), _hash(data), len(data)])
-    rows.writerow([_rel(info / "RECORD", purelib), "", ""])
-    _write(info / "RECORD", record.getvalue())
+    for path in [*contents, info / "RECORD"]:
+        problem = _unwritable(path)
+        if problem:
+            raise AliasError(f"dsplug deepspeed-alias enable: cannot write {path}: {problem}; nothing was changed")
+    with _Transaction(state) as txn:
+        if state.enabled:
+            _remove(state)
+        written = {path: txn.write(path, text, mode) for path, (text, mode) in contents.items()}
+        record = io.StringIO()
+        rows = csv.writer(record, lineterminator="\n")
+        for path, data in written.items():
+            rows.writerow([_rel(path, purelib), _hash(data), len(data)])
+        rows.writerow([_rel(info / "RECORD", purelib), "", ""])
+        txn.write(info / "RECORD", record.getvalue())
     verb = ("already enabled; refreshed" if previous == version
             else f"enabled (replaced deepspeed {previous})" if previous else "enabled")
     return [f"deepspeed alias {verb}: deepspeed {version} (DeepSpeed API {DEEPSPEED_API_VERSION}, dsplug {dsplug_ver})",
@@ -358,6 +366,73 @@ def enable(target: Optional[Target] = None) -> List[str]:
             f"  deepspeed command -> dsplug launch ({script})",
             f"  metadata          -> {info}",
             "undo with: dsplug deepspeed-alias disable"]
+
+
+def _unwritable(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be written as a file (None: nothing in the way that can be seen now)."""
+    if path.is_dir():
+        return f"{path} is a directory"
+    existing = next((p for p in path.parents if os.path.lexists(p)), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        kind = "a broken symbolic link" if existing.is_symlink() and not existing.exists() else "a file"
+        return f"{existing} is {kind}, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+class _Transaction:
+    """The files :func:`enable` writes, undone together when any step fails: new files and the
+    directories made for them are removed, the files of a replaced alias are written back."""
+
+    def __init__(self, state: State):
+        self.saved = {}
+        for path in [*state.files, *(f for info in state.dist_infos if info.is_dir() for f in info.iterdir())]:
+            try:
+                self.saved[path] = (path.read_bytes(), path.stat().st_mode & 0o777)
+            except OSError:
+                pass
+        self.created_files: List[Path] = []
+        self.created_dirs: List[Path] = []
+        self.writing: Optional[Path] = None
+
+    def write(self, path: Path, text: str, mode: Optional[int] = None) -> bytes:
+        self.writing = path
+        missing = [p for p in reversed(path.parents) if not os.path.lexists(p)]
+        self.created_dirs.extend(missing)
+        self.created_files.append(path)
+        return _write(path, text, mode)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None:
+            return False
+        for path in reversed(self.created_files):
+            for leftover in (path, path.with_name(f".{path.name}.dsplug-tmp")):
+                try:
+                    leftover.unlink()
+                except OSError:
+                    pass
+        for directory in reversed(self.created_dirs):
+            _rmdir(directory)
+        restored = []
+        for path, (data, mode) in self.saved.items():
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                os.chmod(path, mode)
+                restored.append(path)
+            except OSError:
+                pass
+        if isinstance(exc, OSError):
+            what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+            raise AliasError(f"dsplug deepspeed-alias enable: could not write {self.writing} ({what}); nothing was "
+                             f"left behind" + ("; the alias that was there is restored" if restored else "")) from exc
+        return False
 
 
 def _remove(state: State) -> List[Path]:

@@ -149,9 +149,12 @@ def test_missing_and_corrupt_files_are_named(tmp_path):
     model_file.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=f"checkpoint file {model_file} has 16 bytes but its manifest says"):
         _engine().load_checkpoint(tmp_path)
-    (tmp_path / "t" / "manifest.json").unlink()  # e.g. a checkpoint written by DeepSpeed: torch.load says it
-    with pytest.raises(CheckpointError, match=f"checkpoint file {model_file} is corrupt or unreadable"):
+    (tmp_path / "t" / "manifest.json").unlink()  # dsplug's files without the manifest: refused, naming it
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 't' / 'manifest.json'} is missing"):
         _engine().load_checkpoint(tmp_path)
+    unverified = _engine({**CONFIG, "checkpoint": {"require_manifest": False}})  # the opt-out: torch.load says it
+    with pytest.raises(CheckpointError, match=f"checkpoint file {model_file} is corrupt or unreadable"):
+        unverified.load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="checkpoint .*nope does not exist; tags in .*: t"):
         _engine().load_checkpoint(tmp_path, tag="nope")
 
@@ -215,7 +218,7 @@ def test_checkpoint_verify_passes_a_good_checkpoint(tmp_path):
     assert out.returncode == 0 and out.stdout.count("OK ") == 2, out.stdout + out.stderr
 
 
-def test_resume_picks_the_newest_complete_tag_when_latest_was_not_updated(tmp_path, capsys):
+def test_resume_follows_latest_else_the_most_recently_saved_verified_tag(tmp_path, capsys):
     engine = _engine()
     _train(engine, 1)
     engine.save_checkpoint(tmp_path)
@@ -224,12 +227,22 @@ def test_resume_picks_the_newest_complete_tag_when_latest_was_not_updated(tmp_pa
     (tmp_path / "latest").write_text("global_step1")  # as if the save died before moving 'latest'
     engine.save_checkpoint(tmp_path, tag="scratch", save_latest=False)  # not a resume candidate
     fresh = _engine()
-    path, _ = fresh.load_checkpoint(tmp_path)
-    assert path == str(tmp_path / "global_step2") and fresh.global_steps == 2
-    assert "names 'global_step1', but 'global_step2' is newer and complete" in capsys.readouterr().out
+    path, _ = fresh.load_checkpoint(tmp_path)  # 'latest' names a complete, verified tag: followed
+    assert path == str(tmp_path / "global_step1") and fresh.global_steps == 1
+    assert "'global_step2' was saved after it but 'latest' never moved to it" in capsys.readouterr().out
     (tmp_path / "latest").unlink()
-    path, _ = _engine().load_checkpoint(tmp_path)
+    path, _ = _engine().load_checkpoint(tmp_path)  # no 'latest': the most recently saved
     assert path == str(tmp_path / "global_step2")
+    assert "no 'latest' file" in capsys.readouterr().out
+    (tmp_path / "latest").write_text("global_step2")
+    shard = tmp_path / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    path, _ = _engine().load_checkpoint(tmp_path)  # 'latest' fails verification: the one saved before it
+    assert path == str(tmp_path / "global_step1")
+    out = capsys.readouterr().out
+    assert "names 'global_step2', but it fails verification" in out and "loading 'global_step1'" in out
 
 
 def test_latest_must_name_a_tag_inside_the_directory(tmp_path):

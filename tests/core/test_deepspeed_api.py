@@ -22,6 +22,7 @@ import torch
 import dsplug
 from dsplug import comm
 
+from tests.conftest import scaled
 from tests.dist_harness import run_distributed
 from tests.engine_common import batch, loss_fn, make_model
 
@@ -68,7 +69,7 @@ def test_runtime_is_reachable_as_attributes_right_after_import():
             "print(deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE)\n"
             "print(deepspeed.utils.logger.name, deepspeed.checkpoint.utils.clone_tensors_for_torch_save.__name__)\n"
             "print(deepspeed.launcher.runner.encode_world_info({}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert "WarmupLR" in out.stdout and "NOT_AVAILABLE" in out.stdout and "clone_tensors_for_torch_save" in out.stdout
 

@@ -15,6 +15,7 @@ from dsplug.op_builder import (ALL_OPS, AsyncIOBuilder, CPUAdagradBuilder, CPUAd
                                NativeOpsFallbackWarning, OpStatus, OpUnavailableError, all_op_status, op_status)
 from dsplug.op_builder import builder as builder_mod
 from dsplug.op_builder import toolchain as tc
+from tests.conftest import scaled
 
 NATIVE_OK = CPUAdamBuilder().incompatibility() is None and not ob.native_disabled()
 needs_native = pytest.mark.skipif(not NATIVE_OK, reason="no native toolchain, or DSPLUG_DISABLE_NATIVE_OPS is set")
@@ -164,7 +165,7 @@ def test_compile_error_falls_back_and_strict_load_raises(monkeypatch, fresh_warn
 def test_build_ops_cli_reports_cached_builds():
     """`dsplug build-ops` (ops already built by the other test modules' fixtures or now)."""
     proc = subprocess.run([sys.executable, "-m", "dsplug.cli", "build-ops", "cpu_adam", "async_io"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 op(s) ready" in proc.stdout and "cpu_adam" in proc.stdout
     assert op_status("cpu_adam").built and op_status("async_io").built
@@ -177,7 +178,7 @@ def test_build_ops_cli_reports_cached_builds():
 def test_cold_build_of_all_ops_into_a_fresh_cache(tmp_path):
     env = dict(os.environ, DSPLUG_OPS_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-m", "dsplug.cli", "build-ops", "--json"], capture_output=True,
-                          text=True, env=env, timeout=900)
+                          text=True, env=env, timeout=scaled(900))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
 

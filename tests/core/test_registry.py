@@ -12,7 +12,7 @@ import pytest
 from dsplug.config import ConfigError, DsplugConfig
 from dsplug.registry import BLOCK_ENV, PluginConflictError, PluginNotFoundError, Registry
 
-from tests.conftest import write_distribution
+from tests.conftest import scaled, write_distribution
 
 FROB = '''
 from dsplug import PluginSpec, hookimpl
@@ -129,6 +129,10 @@ def test_spec_in_wrong_hook_is_reported_and_skipped(temp_site, clean_env):
     ("misspelled", "dsplug_optimisers matches no dsplug hook, so it is never called; did you mean dsplug_optimizers?"),
     ("unmarked", "dsplug_monitors is not decorated with @dsplug.hookimpl"),
     ("bad_signature", "dsplug_step_end"),
+    ("keyboard_interrupt", "KeyboardInterrupt: raised by the plugin itself"),
+    ("generator_exit", "GeneratorExit"),
+    ("base_exception", "Odd: a BaseException subclass"),
+    ("interrupt_in_hook", "KeyboardInterrupt: from a hook"),
 ])
 def test_a_faulty_plugin_is_reported_and_the_rest_keeps_working(temp_site, clean_env, fault, expected):
     source = {
@@ -137,6 +141,11 @@ def test_a_faulty_plugin_is_reported_and_the_rest_keeps_working(temp_site, clean
         "misspelled": FROB.replace("def dsplug_optimizers", "def dsplug_optimisers"),
         "unmarked": FROB + "\ndef dsplug_monitors():\n    return []\n",
         "bad_signature": FROB + "\n@hookimpl\ndef dsplug_step_end(engine, metrics, surprise):\n    pass\n",
+        "keyboard_interrupt": "raise KeyboardInterrupt('raised by the plugin itself')\n",
+        "generator_exit": "raise GeneratorExit()\n",
+        "base_exception": "class Odd(BaseException):\n    pass\nraise Odd('a BaseException subclass')\n",
+        "interrupt_in_hook": FROB.replace("    return [PluginSpec(", "    raise KeyboardInterrupt('from a hook')\n"
+                                                                   "    return [PluginSpec("),
     }[fault]
     write_distribution(temp_site, "faulty-dist", "0.1", {"faulty": "faulty_plugin"}, {"faulty_plugin": source})
     with warnings.catch_warnings(record=True):
@@ -169,3 +178,65 @@ def test_plugin_whose_hook_raises_is_reported_not_fatal(temp_site, clean_env):
         registry = Registry()
     assert registry.broken == [("raising", "raising-dist", "RuntimeError: cannot describe myself")]
     assert registry.find("optimizer", "Frobnicate") is None and registry.get("accelerator", "cpu")
+
+
+PLUGIN_INTERRUPTS = "raise KeyboardInterrupt('raised by the plugin itself')\n"
+INITIALIZE = ("import torch, dsplug\n"
+              "engine = dsplug.initialize(model=torch.nn.Linear(3, 1), config={'train_batch_size': 2, 'optimizer': "
+              "{'type': 'AdamW', 'params': {'lr': 0.1}}})[0]\n"
+              "engine.backward(engine(torch.ones(2, 3)).sum()); engine.step(); print('trained', engine.global_steps)\n")
+
+
+def test_initialize_survives_a_plugin_raising_keyboard_interrupt_at_import(temp_site, clean_env):
+    write_distribution(temp_site, "kbd-dist", "0.1", {"kbd": "kbd_plugin"}, {"kbd_plugin": PLUGIN_INTERRUPTS})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(temp_site), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", INITIALIZE], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "trained 1" in done.stdout, done.stderr
+    assert "kbd-dist" in done.stderr and "KeyboardInterrupt" in done.stderr  # reported as a broken plugin
+
+
+def test_the_users_ctrl_c_during_plugin_import_is_not_contained(temp_site, clean_env):
+    """A real SIGINT (here sent while a plugin imports) stops `dsplug list` like any Ctrl-C."""
+    slow = "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n"
+    write_distribution(temp_site, "slow-dist", "0.1", {"slow": "slow_plugin"}, {"slow_plugin": slow})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(temp_site), os.environ.get("PYTHONPATH", "")]))
+    listed = subprocess.run([sys.executable, "-m", "dsplug.cli", "list"], env=env, capture_output=True, text=True,
+                            timeout=scaled(120))
+    assert listed.returncode == 130, (listed.returncode, listed.stderr)
+    done = subprocess.run([sys.executable, "-c", INITIALIZE], env=env, capture_output=True, text=True, timeout=scaled(120))
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr and "trained" not in done.stdout
+
+
+NO_CONFIG = '''
+import torch
+from dsplug import PluginSpec, hookimpl
+
+def build(params, config, context=None):
+    assert config == {}
+    return torch.optim.SGD(params, lr=0.5)
+
+@hookimpl
+def dsplug_optimizers():
+    return [PluginSpec(category="optimizer", name="Plain", factory=build, schema=None, summary="takes no config")]
+'''
+
+
+def test_an_optimizer_with_schema_none_takes_no_config_and_can_be_selected(temp_site, clean_env):
+    import torch
+
+    from dsplug.engine import Engine
+
+    write_distribution(temp_site, "plain-dist", "1.0", {"plain": "plain_plugin"}, {"plain_plugin": NO_CONFIG})
+    registry = Registry()
+    for optimizer in ({"type": "Plain"}, {"type": "Plain", "params": {}}):
+        config = DsplugConfig({"train_batch_size": 2, "optimizer": optimizer}, world_size=1, registry=registry)
+        assert config.optimizer.params == {}
+    model = torch.nn.Linear(3, 1)
+    before = model.weight.detach().clone()
+    engine = Engine(model, {"train_batch_size": 2, "optimizer": {"type": "Plain"}}, registry=registry)
+    engine.backward(engine(torch.ones(2, 3)).sum())
+    engine.step()
+    assert torch.allclose(model.weight.detach(), before - 0.5 * 2 * torch.ones(1, 3))  # SGD: w - lr * grad (2 rows)
+    with pytest.raises(ConfigError, match=r"optimizer\.params: plugin optimizer:Plain .* takes no config .*'lr'"):
+        DsplugConfig({"train_batch_size": 2, "optimizer": {"type": "Plain", "params": {"lr": 1}}}, world_size=1,
+                     registry=registry)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from dsplug.checkpoint import MODEL_FILE, CheckpointError, LATEST, atomic_save, load_file, optim_file
+from dsplug.checkpoint import LATEST, MODEL_FILE, atomic_save, check_tag, CheckpointError, load_file, optim_file
 
 from . import deepspeed_format
 from .layout import LAYOUTS, MergedGroup, Piece, merge_partitions, param_pieces  # noqa: F401 - public names
@@ -60,7 +60,7 @@ def resolve_tag_dir(checkpoint_dir: str, tag: Optional[str] = None) -> str:
                                   f"({_tags_hint(checkpoint_dir)})")
         with open(latest) as f:
             tag = f.read().strip()
-    path = os.path.join(checkpoint_dir, str(tag))
+    path = os.path.join(checkpoint_dir, check_tag(str(tag)))  # a plain tag name inside checkpoint_dir
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint tag directory {path} does not exist ({_tags_hint(checkpoint_dir)})")
     return path

@@ -27,6 +27,7 @@ from dsplug.plugins.autotuning.space import (AutotuningError, Candidate, batch_f
 from dsplug.plugins.autotuning.tuner import (Budget, GridSearchTuner, ModelBasedTuner, RandomTuner, explore,
                                              ridge_fit)
 from dsplug.testing import ObserverContract, tiny_engine, train_steps
+from tests.conftest import scaled
 
 # the reference's documented keys and defaults (DeepSpeed config JSON reference, "Autotuning")
 DOCUMENTED = {"enabled": False, "results_dir": "autotuning_results", "exps_dir": "autotuning_exps",
@@ -466,7 +467,7 @@ def test_a_timed_out_experiment_leaves_no_process_behind(tmp_path):
     child = int(pid_file.read_text())
     try:
         assert exp.status == "timeout"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(child), "the experiment's worker outlived it"

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, scaled
 from tests.plugins.autotuning.test_autotuning import check_results_match_table, parse_table
 
 SCRIPT = textwrap.dedent(
@@ -109,7 +109,7 @@ def _autotune(tmp_path, mode, config, steps, launches):
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=limit)
+        out, err = proc.communicate(timeout=scaled(limit))
     except BaseException:
         if proc.returncode is None:  # not reaped: its pid, the group's id, is still its own
             _kill_everything(proc.pid)

@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 import dsplug  # noqa: E402
 from dsplug.cli import main as cli_main  # noqa: E402
 from dsplug.compression.compress import init_compression, redundancy_clean  # noqa: E402
-from tests.conftest import REPO
+from tests.conftest import REPO, scaled
 
 DATA = REPO / "tests" / "data" / "compression"
 EXAMPLES = ("layer_reduction", "weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning",
@@ -235,7 +235,7 @@ def test_example_passes_config_check_in_a_cli_process(tmp_path):
     """The real ``python -m dsplug.cli`` process, once (each process pays the import of torch)."""
     path = write_config(tmp_path, "sparse_pruning", config_for("sparse_pruning"))
     done = subprocess.run([sys.executable, "-m", "dsplug.cli", "config", "check", str(path)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{path}: valid"
 

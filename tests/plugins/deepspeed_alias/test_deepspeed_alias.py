@@ -356,3 +356,44 @@ def test_finder_in_process_serves_the_same_module_objects():
         finder.uninstall()
     assert "deepspeed" not in sys.modules and "deepspeed.comm" not in sys.modules
     assert not finder.installed()
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else "dir") for p in sorted(root.rglob("*"))}
+
+
+def test_a_failed_enable_leaves_nothing_and_names_what_blocked_it(tmp_path, capsys):
+    """`bin` (the scripts directory) is a file: enable refuses before writing anything."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "bin").write_text("a file where the scripts directory goes\n")
+    before = _tree(site_dir)
+    assert cli_main(["deepspeed-alias", "enable", "--target", str(site_dir)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {site_dir / 'bin' / 'deepspeed'}: {site_dir / 'bin'} is a file, not a directory" in err
+    assert "nothing was changed" in err and "Traceback" not in err and "FileExistsError" not in err
+    assert _tree(site_dir) == before  # no deepspeed/__init__.py, no dist-info
+
+
+def test_an_enable_failing_midway_is_undone_and_restores_the_alias_it_replaced(tmp_path, monkeypatch):
+    from dsplug.plugins.deepspeed_alias import install
+
+    target = install.directory_target(tmp_path)
+    old = tmp_path / "deepspeed-0.19.8+dsplug.0.0.1.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.19.8+dsplug.0.0.1\n")
+    (old / "RECORD").write_text("deepspeed-0.19.8+dsplug.0.0.1.dist-info/METADATA,,\n")
+    before = _tree(tmp_path)
+    real_write, calls = install._write, []
+
+    def failing_write(path, text, mode=None):
+        calls.append(path)
+        if len(calls) == 3:  # after the shim and the script
+            raise OSError(28, "No space left on device", str(path))
+        return real_write(path, text, mode)
+
+    monkeypatch.setattr(install, "_write", failing_write)
+    with pytest.raises(install.AliasError, match=r"could not write .*METADATA .*No space left on device.*nothing was "
+                                                  r"left behind; the alias that was there is restored"):
+        install.enable(target)
+    assert _tree(tmp_path) == before

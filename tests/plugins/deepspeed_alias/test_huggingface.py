@@ -29,6 +29,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.conftest import scaled
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -262,7 +263,7 @@ def _run(alias: Path, cwd: Path, script: str, args: list, procs: int, launcher: 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
                "127.0.0.1", "--master_port", str(_free_port()), str(path), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(cwd), env=_env(alias, **env), timeout=TIMEOUT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(cwd), env=_env(alias, **env), timeout=scaled(TIMEOUT))
     assert proc.returncode == 0, \
         f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     return proc

@@ -19,7 +19,7 @@ from dsplug.plugins.launcher.elastic import elastic_plan
 from dsplug.plugins.launcher.plan import LaunchRequest, plan_launch
 from dsplug.plugins.launcher.runner import parse_args
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, Deadline, free_port, scaled
 
 
 def planned(*argv, environ=None, hostfile=None):
@@ -200,7 +200,7 @@ def _records(path):
 
 
 def _wait(what, condition, timeout, procs=()):
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while time.monotonic() < deadline:
         if condition():
             return
@@ -246,8 +246,8 @@ def test_elastic_job_survives_losing_a_node(tmp_path):
                                                      if r["event"] == "step" and r["world"] == 2) >= 2,
               timeout=90, procs=(survivor, lost))
         _kill_tree(lost.pid)
-        lost.wait(timeout=10)
-        assert survivor.wait(timeout=90) == 0
+        lost.wait(timeout=scaled(10))
+        assert survivor.wait(timeout=scaled(90)) == 0
     except BaseException:
         logs = "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text()[-3000:] for n in ("a", "b"))
         raise AssertionError(f"elastic job failed; records: {_records(record)}\n{logs}")
@@ -255,7 +255,7 @@ def test_elastic_job_survives_losing_a_node(tmp_path):
         for proc in (survivor, lost):
             if proc.poll() is None:  # never signal a pid already reaped (it may be reused)
                 _kill_tree(proc.pid)  # nothing of this test outlives it
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
 
     records = _records(record)
     two = [r for r in records if r["world"] == 2]

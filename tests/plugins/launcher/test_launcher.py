@@ -29,6 +29,7 @@ from dsplug.plugins.launcher import shim
 from dsplug.plugins.launcher.envfile import parse_env_text
 from dsplug.plugins.launcher.plan import exit_status
 from tests.conftest import free_port
+from tests.conftest import scaled
 
 POOL = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
 
@@ -386,7 +387,7 @@ def test_remote_command_survives_a_real_shell(tmp_path):
         environ={"NCCL_SOCKET_IFNAME": "eth0; touch PWNED_NCCL"},
     )  # fmt: skip
     node = plan.nodes[1]
-    subprocess.run(["sh", "-c", node.remote_shell_command()], check=True, cwd=tmp_path, timeout=30)
+    subprocess.run(["sh", "-c", node.remote_shell_command()], check=True, cwd=tmp_path, timeout=scaled(30))
     got = json.loads(record.read_text())
     assert got["argv"] == list(node.argv[1:])
     assert got["argv"][-len(HOSTILE_ARGS) :] == list(HOSTILE_ARGS)
@@ -528,7 +529,7 @@ def _launch(args, cwd, timeout=120):
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run([sys.executable, "-m", "dsplug.cli", "launch", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True, timeout=scaled(timeout))  # fmt: skip
 
 
 @pytest.fixture
@@ -603,7 +604,7 @@ SIGINT_WORKER = textwrap.dedent(
     got = []
     signal.signal(signal.SIGINT, lambda *_: got.append(time.time()))
     open(os.path.join(out, "ready-" + os.environ["RANK"]), "w").close()
-    deadline = time.time() + 60
+    deadline = time.time() + scaled(60)
     while not got and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)  # "saving": any further SIGINT arrives meanwhile
@@ -628,12 +629,12 @@ def test_ctrl_c_reaches_every_worker_exactly_once_and_they_may_finish(tmp_path):
                              str(free_port()), "--no_local_rank", str(script), str(tmp_path)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + scaled(90)
         while not all((tmp_path / f"ready-{r}").exists() for r in range(2)):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=scaled(90))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -22,6 +22,7 @@ from dsplug.config.schema import ConfigError, parse, to_dict
 from dsplug.context import BuildContext
 from dsplug.hookspecs import PROJECT, LifecycleSpecs
 from dsplug.registry import get_registry
+from tests.conftest import scaled
 
 # DeepSpeed's tag for each step metric (written out here, not imported: this is the reference).
 TAGS = {
@@ -210,7 +211,7 @@ def test_csv_rows_reach_a_reader_while_training(tmp_path):
     observer.dsplug_step_end(metrics=STEPS[0])
     observer.dsplug_step_end(metrics=STEPS[1])
     want = [["step", "train_loss"], ["8", "2.5"], ["16", "1.75"]]
-    deadline = time.monotonic() + 10  # the writer thread gets there without a flush or close
+    deadline = time.monotonic() + scaled(10)  # the writer thread gets there without a flush or close
     while _read_csv_dir(tmp_path).get("Train_Samples_train_loss.csv") != want and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _read_csv_dir(tmp_path)["Train_Samples_train_loss.csv"] == want
@@ -228,7 +229,7 @@ def test_step_end_only_queues_and_writer_errors_surface(tmp_path):
     real_write = observer._write
 
     def slow_write(events):
-        gate.wait(10)
+        gate.wait(scaled(10))
         real_write(events)
 
     observer._write = slow_write
@@ -345,7 +346,7 @@ def _wandb_records(run_file):
 def _read_wandb_history(run_file, wait_s=60.0):
     """History rows of a finished run. wandb's service process may still be writing the log
     when ``run.finish()`` returns, so wait (bounded) for the run's exit record."""
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + scaled(wait_s)
     while True:
         records = _wandb_records(run_file)
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:

@@ -23,6 +23,7 @@ from dsplug.plugins.sparse_attention.sparsity_config import (
     LocalSlidingWindowSparsityConfig,
     VariableSparsityConfig,
 )
+from tests.conftest import scaled
 
 NEG = float("-inf")
 
@@ -428,7 +429,7 @@ def test_an_exception_in_a_worker_thread_reaches_python(native):
     import sys
 
     proc = subprocess.run([sys.executable, "-c", _PARALLEL_FAILURE_SCRIPT], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert proc.stdout.count("raised: unit") == 10, proc.stdout
     # with no failure every unit runs exactly once

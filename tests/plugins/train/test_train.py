@@ -27,6 +27,7 @@ from dsplug.plugins.train.loop import main as train_main
 from dsplug.plugins.train.model import CharTransformer, ModelConfig
 from dsplug.plugins.train.options import worker_argv
 from dsplug.plugins.train.progress import ProgressBar
+from tests.conftest import free_port, scaled
 
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--sample-chars", "20"]
 LOSS_CSV = "Train_Samples_train_loss.csv"
@@ -48,7 +49,7 @@ def run_train(*args, cwd, timeout=240):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)
     return subprocess.run([sys.executable, "-m", "dsplug.cli", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def printed_path(stdout: str, label: str) -> Path:
@@ -161,12 +162,13 @@ def test_two_processes(tmp_path):
 
 
 # ------------------------------------------------------------------------------ Ctrl-C
-def interrupted_run(*args, cwd, after_step=3, timeout=300):
-    """Start ``dsplug train ARGS`` in its own session, send SIGINT to the whole process group (as a
-    terminal's Ctrl-C does) once the progress shows ``after_step``; returns (returncode, stdout, stderr)."""
+def interrupted_run(*args, cwd, after_step=3, timeout=300, command=("train",)):
+    """Start ``dsplug train ARGS`` (``dsplug COMMAND ARGS``) in its own session, send SIGINT to the
+    whole process group (as a terminal's Ctrl-C does) once the progress shows ``after_step``;
+    returns (returncode, stdout, stderr)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", "train", *args], cwd=cwd, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", *command, *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     seen = []
     try:
@@ -176,7 +178,7 @@ def interrupted_run(*args, cwd, after_step=3, timeout=300):
             if match and int(match.group(1)) >= after_step:
                 os.killpg(proc.pid, signal.SIGINT)
                 break
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=scaled(timeout))
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -243,6 +245,96 @@ def test_ctrl_c_with_two_processes_saves_every_rank_at_the_same_step(tmp_path):
     words = shlex.split(resume_line(stderr))
     text = ok(run_train(*words[2:], "--steps", str(step + 1), cwd=tmp_path))
     assert "2 processes" in text and f"global_step{step} at step {step}" in text
+
+
+def _module_state(tag: Path) -> dict:
+    return torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+
+
+def _loss_text(csv_dir: Path) -> list:
+    return (csv_dir / LOSS_CSV).read_text().splitlines()
+
+
+def _assert_bit_identical(resumed_out: Path, straight_out: Path, step: int) -> None:
+    """The interrupted-and-resumed run and the uninterrupted one end with the same weights, bit
+    for bit, and logged the same losses (as written)."""
+    tag = f"global_step{step}"
+    got, want = _module_state(resumed_out / "checkpoints" / tag), _module_state(straight_out / "checkpoints" / tag)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    assert _loss_text(resumed_out / "csv_monitor") == _loss_text(straight_out / "csv_monitor")
+
+
+def test_ctrl_c_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CTRL_C_CONFIG))
+    out = tmp_path / "run"
+    code, stdout, stderr = interrupted_run(str(config), "--steps", "1000", "--save-interval", "500",
+                                           "--output-dir", str(out), *TINY[:-2], "--sample-chars", "0", cwd=tmp_path)
+    step = check_interrupted(code, stdout, stderr, out, config)
+    words = shlex.split(resume_line(stderr))
+    ok(run_train(*words[2:], "--steps", str(step + 2), cwd=tmp_path))
+    straight = tmp_path / "straight"
+    ok(run_train(str(config), "--steps", str(step + 2), "--save-interval", "500", "--output-dir", str(straight),
+                 *TINY[:-2], "--sample-chars", "0", cwd=tmp_path))
+    _assert_bit_identical(out, straight, step + 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_under_dsplug_launch_saves_prints_the_resume_command_and_resumes_bit_identically(tmp_path):
+    """`dsplug launch --num_procs 2 --module dsplug.plugins.train ...`: the launcher passes the
+    Ctrl-C on, both ranks save the same step, the launcher exits 130; the printed command resumes
+    to the weights of an uninterrupted 2-process run."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CTRL_C_CONFIG))
+    out = tmp_path / "run"
+    code, stdout, stderr = interrupted_run(
+        "--num_procs", "2", "--master_port", str(free_port()), "--module", "dsplug.plugins.train", str(config),
+        "--steps", "1000", "--save-interval", "500", "--output-dir", str(out), *TINY[:-2], "--sample-chars", "0",
+        cwd=tmp_path, command=("launch",))
+    step = check_interrupted(code, stdout, stderr, out, config, nproc=2)
+    assert "dsplug launch: got SIGINT: passed it on to the workers" in stderr
+    words = shlex.split(resume_line(stderr))
+    ok(run_train(*words[2:], "--steps", str(step + 1), cwd=tmp_path))
+    straight = tmp_path / "straight"
+    ok(run_train(str(config), "--nproc", "2", "--steps", str(step + 1), "--save-interval", "500", "--output-dir",
+                 str(straight), *TINY[:-2], "--sample-chars", "0", cwd=tmp_path))
+    _assert_bit_identical(out, straight, step + 1)
+
+
+def test_a_second_ctrl_c_aborts_without_saving(tmp_path):
+    """The second SIGINT, while the step the first one let finish is still running (a model big
+    enough for a step to take a while), quits at once: exit 130, no checkpoint for that step."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CTRL_C_CONFIG))
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", "train", str(config), "--steps", "1000",
+                             "--save-interval", "500", "--output-dir", str(out), "--d-model", "512", "--layers", "6",
+                             "--heads", "8", "--seq-len", "128", "--sample-chars", "0"], cwd=tmp_path, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if re.search(r"step 1/", line):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        for line in proc.stderr:
+            if "Ctrl-C: stopping after this step" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=scaled(120))
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode == 130, err
+    assert "stopped by Ctrl-C; no checkpoint was saved for the step in progress" in err, err
+    assert "resume this run with" not in err and "Traceback" not in err
+    checkpoints = out / "checkpoints"
+    assert not checkpoints.exists() or not [p for p in checkpoints.iterdir() if p.name != "latest"], \
+        sorted(p.name for p in checkpoints.iterdir())
 
 
 def test_interrupt_flag_then_abort_on_the_second_sigint():

@@ -28,7 +28,7 @@ import torch
 import dsplug
 
 from tests.dist_harness import run_distributed
-from tests.conftest import REPO
+from tests.conftest import REPO, scaled
 
 DATA = REPO / "tests" / "data" / "deepspeed"
 _spec = importlib.util.spec_from_file_location("deepspeed_fixtures", DATA / "make_fixtures.py")
@@ -276,7 +276,7 @@ def _script(checkpoint_dir, output, *extra):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     return subprocess.run([sys.executable, str(Path(checkpoint_dir) / "zero_to_fp32.py"), str(checkpoint_dir),
                            str(output), *extra], capture_output=True, text=True, env=env, cwd=str(output.parent),
-                          timeout=120)
+                          timeout=scaled(120))
 
 
 @pytest.mark.multiprocess
@@ -329,7 +329,7 @@ def test_deepspeed_resumes_dsplug(name, tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run([DEEPSPEED_PYTHON, str(DATA / "make_fixtures.py"), "resume", "--fixture", name, "--world",
                            str(world), "--load", str(save), "--out", str(out)], capture_output=True, text=True,
-                          env=env, timeout=600)
+                          env=env, timeout=scaled(600))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     theirs = json.loads(out.read_text())
     assert theirs["global_steps"] == ours["global_steps"] and theirs["lr"] == pytest.approx(ours["lr"])
