@@ -294,7 +294,8 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
                 step_loss += float(loss.detach()) / gas
             losses.append((engine.global_steps, step_loss))
             if bar is not None:
-                bar.update(engine.global_steps, step_loss, engine.get_lr()[0])
+                bar.update(engine.global_steps, step_loss, engine.get_lr()[0],
+                           engine.precision.step_metrics().get("loss_scale"))
             if engine.global_steps % args.save_interval == 0:
                 if bar is not None:
                     bar.clear_line()
