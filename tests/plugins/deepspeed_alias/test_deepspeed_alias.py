@@ -97,7 +97,14 @@ CHECKS = """
     import importlib, importlib.metadata, sys
     import deepspeed
     import dsplug
-    assert deepspeed is dsplug
+    # dsplug's namespace under DeepSpeed's name, with the alias distribution's version
+    assert deepspeed.initialize is dsplug.initialize and deepspeed.DeepSpeedEngine is dsplug.DeepSpeedEngine
+    assert deepspeed.__version__ == importlib.metadata.version("deepspeed") != dsplug.__version__
+    assert (deepspeed.__version_major__, deepspeed.__version_minor__, deepspeed.__version_patch__) == (0, 19, 8)
+    deepspeed.patched_by_a_test = 1  # monkeypatching deepspeed.X patches dsplug.X
+    assert dsplug.patched_by_a_test == 1
+    del deepspeed.patched_by_a_test
+    assert not hasattr(dsplug, "patched_by_a_test")
     import deepspeed.comm
     assert deepspeed.comm is dsplug.comm, "deepspeed.comm must be the same module object"
     import deepspeed.comm as dist
@@ -338,14 +345,17 @@ def test_finder_in_process_serves_the_same_module_objects():
 
     assert "deepspeed" not in sys.modules
     try:
-        assert finder.install() is dsplug
-        finder.install()  # once on sys.meta_path
+        from dsplug.plugins.deepspeed_alias.install import alias_version
+
+        module = finder.install()
+        assert module.__version__ == alias_version() and module.initialize is dsplug.initialize
+        assert finder.install() is module  # once on sys.meta_path
         assert sum(getattr(f, "dsplug_deepspeed_alias", False) for f in sys.meta_path) == 1
         import deepspeed
         import deepspeed.comm
         import deepspeed.utils.zero_to_fp32
 
-        assert deepspeed is dsplug and deepspeed.comm is importlib.import_module("dsplug.comm")
+        assert deepspeed is module and deepspeed.comm is importlib.import_module("dsplug.comm")
         assert deepspeed.utils.zero_to_fp32 is importlib.import_module("dsplug.utils.zero_to_fp32")
         assert importlib.import_module("dsplug.comm").__spec__.name == "dsplug.comm"
         with pytest.raises(ModuleNotAvailableInDsplug, match="LoRA"):
