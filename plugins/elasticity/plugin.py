@@ -33,6 +33,13 @@ def dsplug_api_modules():
 
 
 @hookimpl
+def dsplug_cli_commands():
+    from .cli import ELASTIC
+
+    return [ELASTIC]
+
+
+@hookimpl
 def dsplug_config_sections():
     return [PluginSpec(category="section", name=C.ELASTICITY, section=C.ELASTICITY, schema=ElasticitySection,
                        summary="elastic training: one batch size valid over a range of GPU counts")]
