@@ -211,6 +211,9 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
 
 def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: List[str], args, started: float,
            rank: int, say, interrupt: Interrupt) -> int:
+    # what takes seconds before the first step is said before it starts: importing torch, then
+    # building the engine (torch's first optimizer imports torch._dynamo)
+    say("dsplug train: loading torch ...")
     import torch
 
     import dsplug
@@ -239,6 +242,7 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
     seed = raw_config.get("seed")
     torch.manual_seed(seed if seed is not None else 0)
     model = CharTransformer(model_config)
+    say("dsplug train: building the engine (dsplug.initialize) ...")
     engine, _, loader, _ = dsplug.initialize(model=model, training_data=dataset, config=raw_config)
     if engine.random_ltd_enabled():  # data_efficiency.data_routing.random_ltd: token dropping in the blocks
         _convert_blocks_to_random_ltd(engine)
