@@ -57,6 +57,19 @@ PRINTED = [  # (function, kwargs): what the all_live / all_cold functions print
 ]
 
 
+def write_json(path: str, out: dict) -> None:
+    """``out`` with each top-level list written one element per line (a readable, small diff)."""
+    parts = []
+    for key, value in out.items():
+        if isinstance(value, list):
+            rows = ",\n".join("  " + json.dumps(row) for row in value)
+            parts.append(f" {json.dumps(key)}: [\n{rows}\n ]")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(parts) + "\n}\n")
+
+
 def main():
     from deepspeed.runtime.zero import stage3 as s3
     from deepspeed.runtime.zero import stage_1_and_2 as s12
@@ -90,9 +103,7 @@ def main():
             returned = functions[function](**call)
         out["printed"].append({"function": function, "kwargs": kwargs, "stdout": text.getvalue(),
                                "returned": returned})
-    with open(os.path.join(HERE, "memory_estimates.json"), "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_json(os.path.join(HERE, "memory_estimates.json"), out)
     print(f"wrote {len(out['zero3'])} + {len(out['zero2'])} estimates, {len(out['printed'])} tables")
 
 
