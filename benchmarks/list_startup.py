@@ -2,6 +2,8 @@
 
 Baseline in the same run: a fresh interpreter that only does `import torch`. Target for
 `dsplug list`: under 2.5 s on the 2-core dev machine, torch import included if it happens.
+`dsplug list`, `--help` and `config check` import no torch (tests/core/test_cli_without_torch.py),
+so their ratio to the baseline stays well under 1 however many plugins are installed.
 
     python benchmarks/list_startup.py [--repeat 5]
 """
@@ -32,6 +34,8 @@ def main():
     cmd = [dsplug, "list"] if dsplug else [sys.executable, "-m", "dsplug.cli", "list"]
     baseline = wall([sys.executable, "-c", "import torch"], args.repeat)
     listing = wall(cmd, args.repeat)
+    help_time = wall(cmd[:-1] + ["--help"], args.repeat)
+    version_time = wall(cmd[:-1] + ["--version"], args.repeat)
     imports_torch = subprocess.run(
         [sys.executable, "-c", "import sys; from dsplug.cli import main; main(['list']); "
          "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')"], capture_output=True, text=True).stdout
@@ -39,7 +43,10 @@ def main():
     print(f"  baseline `python -c 'import torch'` : {baseline:6.3f} s")
     print(f"  `dsplug list`                       : {listing:6.3f} s   (target < 2.5 s; "
           f"{'imports' if 'NOTORCH' not in imports_torch else 'does not import'} torch)")
+    print(f"  `dsplug --help`                     : {help_time:6.3f} s")
+    print(f"  `dsplug --version`                  : {version_time:6.3f} s")
     print(f"  ratio list / torch import           : {listing / baseline:6.3f}x")
+    print(f"  ratio --help / torch import         : {help_time / baseline:6.3f}x")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from .context import BuildContext
 from .contracts.zero_stage import attach_stage, detach_stage, stage_of
 from .engine_api import DeepSpeedAccessors
 from .engine_checkpoint import EngineCounters, SchedulerState, load_checkpoint, save_checkpoint
-from .logging import log_rank0
+from .logging import log_rank0, step_logger
 from .registry import get_registry
 from .timers import StepTimers
 from .comm import groups
@@ -290,7 +290,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             parts += [f"{k}={metrics[k]:.2f}" for k in ("forward_ms", "backward_ms", "step_ms") if k in metrics]
         if self.config.memory_breakdown:
             parts.append(f"mem_allocated={self.accelerator.memory_allocated() / 2**20:.1f}MiB")
-        log_rank0("[dsplug] " + ", ".join(parts))
+        log_rank0("[dsplug] " + ", ".join(parts), log=step_logger)
 
     def zero_grad(self) -> None:
         self.stage.zero_grad()

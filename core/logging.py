@@ -26,8 +26,14 @@ if not logger.handlers:
     logger.propagate = False
 
 
-def log_rank0(message: str, level: int = logging.INFO) -> None:
+#: the engine's ``steps_per_print`` line (``[dsplug] step=..., lr=[...], loss=...``), a child of the
+#: ``dsplug`` logger (same handler, same output): an application that shows its own progress, like
+#: ``dsplug train``, silences it alone with ``step_logger.setLevel(logging.WARNING)``.
+step_logger = logging.getLogger("dsplug.steps")
+
+
+def log_rank0(message: str, level: int = logging.INFO, log: logging.Logger = logger) -> None:
     from . import comm
 
     if comm.get_rank() == 0:
-        logger.log(level, message)
+        log.log(level, message)

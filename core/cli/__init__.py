@@ -16,8 +16,22 @@ import sys
 KERNEL_COMMANDS = ("cmd_list", "cmd_config", "cmd_report", "cmd_build_ops", "cmd_checkpoint")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a did-you-mean for a mistyped command (``dsplug trian``, ``dsplug config chek``)."""
+
+    def _check_value(self, action, value):
+        if isinstance(action, argparse._SubParsersAction) and value not in action.choices:
+            from dsplug.registry import suggest
+
+            guess = suggest(value, action.choices)
+            hint = f"; did you mean {guess!r}?" if guess else ""
+            raise argparse.ArgumentError(action, f"unknown command {value!r}{hint} (commands: "
+                                                 f"{', '.join(sorted(action.choices))})")
+        super()._check_value(action, value)
+
+
 def build_parser(registry=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsplug", description="DeepSpeed-compatible training engine with plugins")
+    parser = Parser(prog="dsplug", description="DeepSpeed-compatible training engine with plugins")
     from dsplug import __version__
 
     parser.add_argument("--version", action="version", version=f"dsplug {__version__}")
@@ -42,6 +56,12 @@ def build_parser(registry=None) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # no need to discover the plugins
+        from dsplug import __version__
+
+        print(f"dsplug {__version__}")
+        return 0
     try:
         parser = build_parser()  # loads the plugins: a Ctrl-C there ends the command like one later
         args = parser.parse_args(argv)

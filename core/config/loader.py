@@ -11,7 +11,8 @@ naming the file (or "JSON text" / "dict"), never in a traceback from the parser:
 * nesting deeper than :data:`MAX_DEPTH` levels is refused before the parser recurses into it;
 * a dict must have string keys (JSON's) and no cycles.
 
-A missing file is a ``FileNotFoundError``; an argument that is no config at all (a number, a
+Text that is not JSON is read as HJSON (comments, unquoted keys), whatever the file's name, as
+DeepSpeed reads its configs: its documented configs carry comments. A missing file is a ``FileNotFoundError``; an argument that is no config at all (a number, a
 list object) a ``TypeError``.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def load_raw(source) -> Tuple[Dict[str, Any], str]:
             content = f.read()
     except OSError as exc:  # a directory, no permission, ...
         raise _error(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    return _parse_text(_decode(content, path), path, hjson_ok=path.endswith(".hjson")), path
+    return _parse_text(_decode(content, path), path, json_first=not path.endswith(".hjson")), path
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -218,16 +219,16 @@ def _hjson_duplicates(text: str, keys: List[str]) -> List[Tuple[str, Optional[in
     return found
 
 
-def _parse_text(text: str, where: str, hjson_ok: bool = True) -> Dict[str, Any]:
+def _parse_text(text: str, where: str, json_first: bool = False) -> Dict[str, Any]:
+    """``json_first``: when the text is neither JSON nor HJSON, the JSON error leads the message (a
+    ``.json`` file); otherwise the message says both."""
     from .schema import ConfigError, Issue
 
     duplicates = _scan(text, where)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        if not hjson_ok:
-            raise ConfigError(Issue("", f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")) from None
-        data = _parse_hjson(text, where, exc)
+        data = _parse_hjson(text, where, exc, json_first)
     except RecursionError:
         raise _too_deep(where, "") from None
     except ValueError as exc:  # e.g. an integer of more than 4300 digits
@@ -240,14 +241,15 @@ def _parse_text(text: str, where: str, hjson_ok: bool = True) -> Dict[str, Any]:
     return data
 
 
-def _parse_hjson(text: str, where: str, exc: json.JSONDecodeError) -> Dict[str, Any]:
+def _parse_hjson(text: str, where: str, exc: json.JSONDecodeError, json_first: bool = False) -> Dict[str, Any]:
     from .schema import ConfigError, Issue
 
     try:
         import hjson
-    except ImportError:
+    except ImportError:  # a dependency of dsplug: only a broken environment lacks it
         raise ConfigError(Issue("", f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
-                                    "(HJSON is read when the 'hjson' package is installed: pip install dsplug[hjson])")) from None
+                                    "(and HJSON cannot be tried: the 'hjson' package, a dependency of dsplug, "
+                                    "is missing: pip install hjson)")) from None
     twice: List[str] = []
 
     def pairs(items):
@@ -263,6 +265,9 @@ def _parse_hjson(text: str, where: str, exc: json.JSONDecodeError) -> Dict[str, 
     except RecursionError:
         raise _too_deep(where, "") from None
     except Exception as hexc:  # hjson raises its own HjsonDecodeError
+        if json_first:
+            raise ConfigError(Issue("", f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                                        f"{exc.colno} (nor HJSON: {hexc})")) from None
         raise ConfigError(Issue("", f"{where} is neither JSON ({exc.msg} at line {exc.lineno} column {exc.colno}) "
                                     f"nor HJSON ({hexc})")) from None
     if twice:

@@ -271,6 +271,22 @@ def _check_numbers(value, path: str = "") -> None:
             stack.extend(reversed([(c, f"{p}[{i}]") for i, c in enumerate(v)]))
 
 
+#: strings DeepSpeed accepts for a boolean (any case): ``"enabled": "false"``, and ``ds_nvme_tune``
+#: prints its ``aio`` block that way. Read as the boolean, with a warning that shows the JSON form.
+_BOOLEAN_STRINGS = {"true": True, "false": False}
+
+
+def boolean_from_string(value, path: str, report: Report):
+    """The boolean a ``"true"`` / ``"false"`` string (any case) stands for, warning into ``report``;
+    None for any other value."""
+    if not isinstance(value, str) or value.lower() not in _BOOLEAN_STRINGS:
+        return None
+    flag = _BOOLEAN_STRINGS[value.lower()]
+    text = "true" if flag else "false"
+    report.warn(path, f"{value!r} is a string; read as the JSON boolean {text} (write {text} without quotes)")
+    return flag
+
+
 def _coerce(tp, value, path: str, report: Report, finite: bool = True):
     """Check ``value`` against annotation ``tp``; return the stored form or raise _Bad / _Invalid.
 
@@ -286,6 +302,8 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
             return None
         invalid = None
         nested = None  # (report, result) of a schema member the object parsed into, with errors
+        if isinstance(value, str):  # a string a member takes as it is wins over "true" read as a boolean
+            args = tuple(sorted(args, key=lambda arg: arg is bool))
         for arg in args:
             if arg is type(None):
                 continue
@@ -293,6 +311,8 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
                 probe = Report()
                 result = _coerce(arg, value, path, probe, finite)
                 if not probe.errors:
+                    report.warnings.extend(probe.warnings)
+                    report.notices.extend(probe.notices)
                     return result
                 if attrs.has(arg) and isinstance(value, dict) and nested is None:
                     nested = (probe, result)
@@ -341,7 +361,10 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise _Bad
+        flag = boolean_from_string(value, path, report)
+        if flag is None:
+            raise _Bad
+        return flag
     if tp is int:
         if isinstance(value, bool):
             raise _Bad

@@ -12,7 +12,10 @@ Environment:
     DSPLUG_AIO_BACKEND         auto (default) | libaio | threads: aio engine of new handles
     CXX                        C++ compiler (default c++, g++ or clang++ on PATH)
 
-Prebuild every op with ``dsplug build-ops``. Importing this package is cheap (no torch).
+``pip install .`` builds every op into the package (setup.py; ``DSPLUG_BUILD_OPS=0`` skips that);
+an op not built there builds at first use, or ahead of time with ``dsplug build-ops``. Importing
+this package is cheap (no torch), and it imports nothing outside it but the standard library, so
+setup.py runs it at install time.
 """
 from __future__ import annotations
 
@@ -77,7 +80,8 @@ def op_status(name: str) -> OpStatus:
     elif built:
         info = builder.build_info() or {}
         secs = info.get("build_seconds")
-        detail += f"; cached in {builder.build_dir()}" + (f" (built in {secs:.1f} s)" if secs is not None else "")
+        where = "built at install in" if builder.is_prebuilt() else "cached in"
+        detail += f"; {where} {builder.build_dir()}" + (f" (built in {secs:.1f} s)" if secs is not None else "")
         shared = sorted(n for n, cls in ALL_OPS.items() if n != name and cls().build_name() == builder.build_name())
         if shared:
             detail += f", shared with {', '.join(shared)}"

@@ -20,6 +20,7 @@ class AsyncIOBuilder(OpBuilder):
     PACKAGE = "dsplug.ops.aio"
     SOURCES = (("aio/aio_engine.cpp", "-O2"), ("aio/aio_bindings.cpp", "-O1"))
     USES_SIMD = False
+    BUILD_SECONDS = 10  # measured: 9 s of CPU
 
     def libaio(self):
         """(header dir, library dir) of libaio, or (None, None)."""

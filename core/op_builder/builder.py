@@ -6,6 +6,13 @@ the CPU instruction set (and, for ``-march=native``, the CPU itself), Python's A
 version. Only pybind11 and Python headers are used (no libtorch), so a cold build takes seconds.
 Builds happen in a temporary directory renamed into place under a file lock, so concurrent
 processes never load a half-written library.
+
+``pip install .`` builds every op into the installed package (``dsplug/csrc/prebuilt/<build>-<key>/``,
+see setup.py); the runtime finds a build there first, then in the cache. The key leaves out where
+pybind11's and Python's headers are (an isolated build environment has its own paths), so a build
+made at install time has the key the runtime computes. An op built at first use (no prebuilt one,
+say in an editable install or on another CPU) says so before and after: it takes seconds to
+minutes.
 """
 from __future__ import annotations
 
@@ -79,6 +86,21 @@ def csrc_root() -> Path:
     return Path(next(iter(dsplug.csrc.__path__)))
 
 
+#: folder (under the installed ``dsplug.csrc``) of the ops built by ``pip install``
+PREBUILT = "prebuilt"
+
+
+def prebuilt_root() -> Path:
+    """Where ``pip install`` put the ops it built (absent in a source tree or editable install)."""
+    return csrc_root() / PREBUILT
+
+
+def _first_use_announcer() -> bool:
+    """Whether this process announces a first-use build: one process per machine (local rank 0) says
+    it; the others wait on the build lock while it builds."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 _WARNED: set = set()
 _LOADED: Dict[Tuple[str, str], object] = {}  # (op, key) -> op module
 _EXTENSIONS: Dict[Tuple[str, str], object] = {}  # (build, key) -> extension module
@@ -133,6 +155,7 @@ class OpBuilder:
     """
 
     NAME = ""  # op name as in ALL_OPS and `dsplug build-ops`
+    BUILD_SECONDS = 20  # typical cold build on 2 idle cores (the first-use message quotes it)
     BUILD_NAME = ""  # build (cache entry, extension) this op lives in; default NAME. Ops may share one.
     EXT_NAME = ""  # extension module name (PyInit_<EXT_NAME>_<key>)
     PACKAGE = "dsplug.ops"
@@ -239,8 +262,11 @@ class OpBuilder:
         t = tc.find_toolchain()
         digest = hashlib.sha256()
         root = csrc_root()
-        # where the sources live does not matter, only their content (hashed below)
+        # where the sources and headers live does not matter (an install-time build runs in an isolated
+        # environment with its own pybind11 path), only their content and versions (hashed below)
         flags = " ".join(self.cxx_flags() + ["|"] + self.ldflags()).replace(str(root), "<csrc>")
+        for place, name in ((t.pybind11_include, "<pybind11>"), (t.python_include, "<python>")):
+            flags = flags.replace(f"-I{place}", f"-I{name}") if place else flags
         parts = [BUILDER_VERSION, self.build_name(), self.EXT_NAME, t.cxx or "", t.cxx_version, t.pybind11_version,
                  t.ext_suffix, sys.version, flags]
         if self.USES_SIMD:
@@ -252,16 +278,37 @@ class OpBuilder:
             digest.update(path.read_bytes() + b"\0")
         return digest.hexdigest()[:16]
 
+    def dir_name(self) -> str:
+        return f"{self.build_name()}-{self.cache_key()}"
+
+    def cache_dir(self) -> Path:
+        """Where a build at first use (or by ``dsplug build-ops``) goes."""
+        return cache_root() / self.dir_name()
+
+    def prebuilt_dir(self) -> Path:
+        """Where ``pip install`` put this build, if it did."""
+        return prebuilt_root() / self.dir_name()
+
+    def is_prebuilt(self) -> bool:
+        try:
+            return (self.prebuilt_dir() / self.library_name()).is_file()
+        except (OSError, ValueError):
+            return False
+
     def build_dir(self) -> Path:
-        return cache_root() / f"{self.build_name()}-{self.cache_key()}"
+        """The build the runtime loads: the one made at install time, else the cache's."""
+        return self.prebuilt_dir() if self.is_prebuilt() else self.cache_dir()
 
     def module_name(self) -> str:
         """Init name of this build's module. It carries the cache key: CPython keeps one module
         per extension name, so two builds (say avx2 and scalar) need two names to coexist."""
         return f"{self.EXT_NAME}_{self.cache_key()}"
 
+    def library_name(self) -> str:
+        return f"{self.module_name()}{tc.find_toolchain().ext_suffix}"
+
     def library_path(self) -> Path:
-        return self.build_dir() / f"{self.module_name()}{tc.find_toolchain().ext_suffix}"
+        return self.build_dir() / self.library_name()
 
     def is_built(self) -> bool:
         """A build for the current sources, flags and CPU is in the cache."""
@@ -303,20 +350,34 @@ class OpBuilder:
         lines.append(f"default {_ninja_escape(library_name)}")
         return "\n".join(lines) + "\n"
 
-    def build(self, force: bool = False, verbose: bool = False) -> Path:
-        """Compile (unless cached) and return the extension's path. Raises OpUnavailableError or
-        OpBuildError."""
+    def build(self, force: bool = False, verbose: bool = False, root: Optional[Path] = None,
+              announce: bool = False) -> Path:
+        """Compile (unless built already) and return the extension's path. Raises
+        OpUnavailableError or OpBuildError.
+
+        ``root``: build into this folder (setup.py: the package's prebuilt folder) instead of the
+        cache. ``announce``: a first-use build, which prints one line before it starts and one when
+        done (stderr)."""
         why = self.incompatibility()
         if why:
             raise OpUnavailableError(f"native op '{self.NAME}' cannot be built here: {why}")
-        final = self.build_dir()
-        library = self.library_path()
+        if root is None and not force and self.is_prebuilt():
+            return self.prebuilt_dir() / self.library_name()
+        root = Path(root) if root is not None else cache_root()
+        final = root / self.dir_name()
+        library = final / self.library_name()
         if library.is_file() and not force:
             return library
-        root = cache_root()
         root.mkdir(parents=True, exist_ok=True)
+        announce = announce and _first_use_announcer()
+        if announce:
+            print(f"dsplug: building native op {self.NAME}, first use, ~{self.BUILD_SECONDS} s "
+                  f"(`dsplug build-ops` builds every op ahead of time)", file=sys.stderr, flush=True)
         with _file_lock(root / f"{final.name}.lock"):
             if library.is_file() and not force:
+                if announce:
+                    print(f"dsplug: native op {self.NAME} ready (another process built it)", file=sys.stderr,
+                          flush=True)
                 return library  # another process built it while we waited
             work = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
             (work / "build.ninja").write_text(self._ninja_file("obj", library.name))
@@ -339,6 +400,9 @@ class OpBuilder:
             if final.exists():  # forced rebuild: move the old one aside (it may be loaded)
                 shutil.rmtree(final, ignore_errors=True)
             os.rename(work, final)
+        if announce:
+            print(f"dsplug: built native op {self.NAME} in {seconds:.1f} s (cached in {final})", file=sys.stderr,
+                  flush=True)
         return library
 
     def load_extension(self, verbose: bool = False):
@@ -346,7 +410,7 @@ class OpBuilder:
         key = (self.build_name(), self.cache_key())
         with _LOAD_LOCK:
             if key not in _EXTENSIONS:
-                path = self.build(verbose=verbose)
+                path = self.build(verbose=verbose, announce=True)
                 spec = importlib.util.spec_from_file_location(f"{self.PACKAGE}.{self.module_name()}", path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)

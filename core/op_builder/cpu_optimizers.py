@@ -16,6 +16,7 @@ class _CPUOptimizerBuilder(OpBuilder):
     SOURCES = (("adam/cpu_adam.cpp", "-O3"), ("adagrad/cpu_adagrad.cpp", "-O3"), ("lion/cpu_lion.cpp", "-O3"),
                ("cpu_optim/cpu_optim_bindings.cpp", "-O1"))
     USES_SIMD = True
+    BUILD_SECONDS = 15  # measured: 14.5 s of CPU over 4 sources, 2 cores
     KERNEL = ""  # class name in dsplug.ops.native.cpu_optim
 
     def make_module(self, native):

@@ -29,6 +29,7 @@ class QuantizerBuilder(OpBuilder):
     PACKAGE = "dsplug.ops"
     SOURCES = (("quantizer/quantizer.cpp", "-O3"),)
     USES_SIMD = True
+    BUILD_SECONDS = 10  # measured: 9.4 s of CPU
 
     def make_module(self, native):
         return QuantizerOp(native)

@@ -1,6 +1,7 @@
 """Compression-method plugins: the seven entries of ``compression_training``.
 
-Each method registers on its own (an entry point per module) and is selected by its key:
+Each method registers on its own (an entry point per method, all in :mod:`.plugins`, which imports
+no torch) and is selected by its key:
 
 * :mod:`.layer_reduction` -- ``layer_reduction``: a shallower student from chosen teacher layers
 * :mod:`.weight_quantization` -- ``weight_quantization``: quantization-aware training of weights

@@ -13,8 +13,6 @@ function the model computes).
 """
 from __future__ import annotations
 
-from dsplug import PluginSpec, hookimpl
-
 from .config import ActivationQuantizationConfig
 from .method import ScheduledMethod, Target
 
@@ -35,10 +33,3 @@ class ActivationQuantization(ScheduledMethod):
 
 def build(config: ActivationQuantizationConfig, context) -> ActivationQuantization:
     return ActivationQuantization(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    return [PluginSpec(category="compression", name="activation_quantization", ops=("quantizer",),
-                       schema=ActivationQuantizationConfig, factory=build,
-                       summary="quantize the inputs of Linear/Conv2d layers (dynamic or static range)")]

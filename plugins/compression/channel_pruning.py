@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from dsplug import PluginSpec, hookimpl
-
 from .config import ChannelPruningConfig
 from .pruning import MaskPruning
 
@@ -24,9 +22,3 @@ class ChannelPruning(MaskPruning):
 
 def build(config: ChannelPruningConfig, context) -> ChannelPruning:
     return ChannelPruning(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    return [PluginSpec(category="compression", name="channel_pruning", schema=ChannelPruningConfig, factory=build,
-                       summary="prune output channels of Conv2d layers (and the related layers' inputs)")]

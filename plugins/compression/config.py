@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 from dsplug.config.schema import field, schema
 
-from .masks import parse_block_pattern
+from .block_pattern import parse_block_pattern
 
 ALL_LAYERS = ["*"]
 
@@ -214,3 +214,20 @@ class LayerReductionConfig:
                                          "'bert.encoder.layer')") if v["enabled"] and not v["module_name_prefix"]
         else None,
     )
+
+
+# ---------------------------------------------------------------- cross-section rules
+def in_step_quantization_needs_low_precision(config, report) -> None:
+    """quantize_weight_in_forward false needs separate fp16/bf16 weights (a config rule, so that
+    ``dsplug config check`` reports it too)."""
+    for provided, section in config.compression:
+        if provided.name != "weight_quantization":
+            continue
+        shared = section.shared_parameters
+        if not shared.enabled or shared.quantize_weight_in_forward:
+            continue
+        if config.selection("precision")[0].name == "fp32":
+            report.error("compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward",
+                         "false quantizes the fp16/bf16 weights after each optimizer step, keeping the fp32 master "
+                         "copy exact; this config trains in fp32, where the weights are the optimizer's own. Set it "
+                         "to true (quantize in the forward) or enable bf16 / fp16")

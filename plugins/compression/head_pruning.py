@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from dsplug import PluginSpec, hookimpl
-
 from . import shrink
 from .config import HeadPruningConfig
 from .layers import CompressedLayer
@@ -83,9 +81,3 @@ class HeadPruning(MaskPruning):
 
 def build(config: HeadPruningConfig, context) -> HeadPruning:
     return HeadPruning(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    return [PluginSpec(category="compression", name="head_pruning", schema=HeadPruningConfig, factory=build,
-                       summary="prune attention heads (output projection columns and q/k/v rows)")]

@@ -21,7 +21,6 @@ from typing import Optional
 
 from torch import nn
 
-from dsplug import PluginSpec, hookimpl
 from dsplug.contracts import CompressionMethod
 
 from .config import LayerReductionConfig
@@ -99,10 +98,3 @@ class LayerReduction(CompressionMethod):
 
 def build(config: LayerReductionConfig, context) -> LayerReduction:
     return LayerReduction(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    # priority: it runs before the methods that compress layers (they then see the kept layers only)
-    return [PluginSpec(category="compression", name="layer_reduction", schema=LayerReductionConfig, factory=build,
-                       priority=10, summary="a shallower student initialised from chosen teacher layers")]

@@ -55,10 +55,11 @@ Block patterns (``block_pattern``), on ``W`` viewed as 2-D ``[out, in * kh * kw]
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Union
+from typing import Dict, Mapping, Optional
 
 import torch
+
+from .block_pattern import BlockPattern, parse_block_pattern
 
 __all__ = [
     "kept_count", "topk_mask", "sparse_l1_mask", "row_l1_mask", "channel_l1_mask",
@@ -66,9 +67,6 @@ __all__ = [
     "parse_block_pattern", "block_scores", "nm_mask", "snip_momentum_scores", "block_mask",
     "cubic_sparsity",
 ]
-
-_PATTERN_FORMS = "'NxM' (e.g. '4x1': blocks of N rows x M columns) or 'N:M' (e.g. '2:4': N kept of every M inputs)"
-
 
 def _check_ratio(dense_ratio) -> float:
     if isinstance(dense_ratio, bool):
@@ -160,37 +158,6 @@ class TopKBinarizer(torch.autograd.Function):
 def topk_binarize(scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
     """``TopKBinarizer.apply(scores, dense_ratio)``."""
     return TopKBinarizer.apply(scores, dense_ratio)
-
-
-@dataclass(frozen=True)
-class BlockPattern:
-    """A parsed ``block_pattern``: ``kind`` is ``"NxM"`` or ``"N:M"``."""
-    kind: str
-    n: int
-    m: int
-
-    def __str__(self) -> str:
-        return f"{self.n}x{self.m}" if self.kind == "NxM" else f"{self.n}:{self.m}"
-
-
-def parse_block_pattern(text: Union[str, BlockPattern]) -> BlockPattern:
-    """Parse ``"NxM"`` / ``"N:M"`` (positive ints; for N:M also N <= M)."""
-    if isinstance(text, BlockPattern):
-        return text
-    bad = ValueError(f"invalid block_pattern {text!r}: expected {_PATTERN_FORMS}")
-    if not isinstance(text, str):
-        raise bad
-    s = text.strip()
-    for sep, kind in (("x", "NxM"), ("X", "NxM"), (":", "N:M")):
-        if s.count(sep) == 1:
-            a, b = (p.strip() for p in s.split(sep))
-            if not (a.isdigit() and b.isdigit()):
-                raise bad
-            n, m = int(a), int(b)
-            if n < 1 or m < 1 or (kind == "N:M" and n > m):
-                raise bad
-            return BlockPattern(kind, n, m)
-    raise bad
 
 
 def _as_2d(t: torch.Tensor, what: str) -> torch.Tensor:

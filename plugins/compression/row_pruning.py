@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from dsplug import PluginSpec, hookimpl
-
 from .config import RowPruningConfig
 from .pruning import MaskPruning
 
@@ -24,9 +22,3 @@ class RowPruning(MaskPruning):
 
 def build(config: RowPruningConfig, context) -> RowPruning:
     return RowPruning(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    return [PluginSpec(category="compression", name="row_pruning", schema=RowPruningConfig, factory=build,
-                       summary="prune output rows of Linear layers (and the related layers' input columns)")]

@@ -19,8 +19,6 @@ from typing import Any, Dict
 
 import torch
 
-from dsplug import PluginSpec, hookimpl
-
 from . import masks as mask_ops
 from .config import PruningGroup, PruningParams, SparsePruningConfig
 from .method import Target, gathered
@@ -106,9 +104,3 @@ class SparsePruning(MaskPruning):
 
 def build(config: SparsePruningConfig, context) -> SparsePruning:
     return SparsePruning(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    return [PluginSpec(category="compression", name="sparse_pruning", schema=SparsePruningConfig, factory=build,
-                       summary="weight sparsity: l1 / topk masks or snip_momentum block pruning")]

@@ -22,9 +22,7 @@ from typing import Any, Dict
 
 import torch
 
-from dsplug import PluginSpec, hookimpl
 from dsplug.ops import quantize as quant_ops
-
 from .config import WeightQuantizationConfig
 from .layers import WeightQuant, check_same, make_plain
 from .method import ScheduledMethod, Target, gathered, is_partitioned
@@ -149,29 +147,5 @@ class WeightQuantization(ScheduledMethod):
         return model
 
 
-def in_step_quantization_needs_low_precision(config, report) -> None:
-    """quantize_weight_in_forward false needs separate fp16/bf16 weights (a config rule, so that
-    ``dsplug config check`` reports it too)."""
-    for provided, section in config.compression:
-        if provided.name != "weight_quantization":
-            continue
-        shared = section.shared_parameters
-        if not shared.enabled or shared.quantize_weight_in_forward:
-            continue
-        if config.selection("precision")[0].name == "fp32":
-            report.error("compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward",
-                         "false quantizes the fp16/bf16 weights after each optimizer step, keeping the fp32 master "
-                         "copy exact; this config trains in fp32, where the weights are the optimizer's own. Set it "
-                         "to true (quantize in the forward) or enable bf16 / fp16")
-
-
 def build(config: WeightQuantizationConfig, context) -> WeightQuantization:
     return WeightQuantization(config, context)
-
-
-@hookimpl
-def dsplug_compression_methods():
-    return [PluginSpec(category="compression", name="weight_quantization", ops=("quantizer",),
-                       schema=WeightQuantizationConfig, factory=build,
-                       rules=(in_step_quantization_needs_low_precision,),
-                       summary="quantization-aware training of Linear/Conv2d weights (bits scheduled per group)")]

@@ -6,8 +6,9 @@ accelerate import ``deepspeed`` themselves and check its distribution metadata
 ``dsplug deepspeed-alias enable`` writes, into the current environment's site-packages:
 
 * ``deepspeed/__init__.py`` -- a shim that installs :class:`.finder.AliasFinder` and makes
-  ``import deepspeed`` return ``dsplug`` itself; every ``deepspeed.X`` then resolves to the module
-  object ``dsplug.X`` (shared state: ``deepspeed.comm is dsplug.comm``);
+  ``import deepspeed`` return dsplug's namespace (every attribute is dsplug's; ``__version__`` is
+  the alias distribution's); every ``deepspeed.X`` then resolves to the module object ``dsplug.X``
+  (shared state: ``deepspeed.comm is dsplug.comm``);
 * ``deepspeed-<API>+dsplug.<version>.dist-info`` -- distribution metadata whose version states the
   DeepSpeed API level dsplug implements (:data:`DEEPSPEED_API_VERSION`) with dsplug's version as
   the PEP 440 local part, a RECORD of every file written (``pip uninstall deepspeed`` works too)

@@ -25,11 +25,15 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 from . import DEEPSPEED_API_VERSION
+from .launcher import COMMAND_SCRIPTS, ENTRY_POINTS as SCRIPT_ENTRY_POINTS
 
 #: first-line mark of the files the alias writes (the shim, the script)
 MARKER = "dsplug deepspeed-alias"
 PACKAGE = "deepspeed"
 SCRIPT = "deepspeed"
+#: DeepSpeed's other console scripts that are a dsplug command (``ds_report`` ...); one that exists
+#: and is not ours (another tool's ``ds``) is left alone and not written
+OTHER_SCRIPTS = tuple(name for name in COMMAND_SCRIPTS if name != SCRIPT)
 LOCAL_PREFIX = "dsplug"
 
 _DIST_INFO = re.compile(r"^deepspeed-(?P<version>[^-]+)\.dist-info$", re.IGNORECASE)
@@ -188,7 +192,7 @@ def inspect(target: Target) -> State:
             seen.add(path)
             (state.files if path.exists() else state.missing).append(path)
     # left over by an interrupted enable / a dist-info removed by hand: still ours to remove
-    for path in (target.purelib / PACKAGE / "__init__.py", script):
+    for path in (target.purelib / PACKAGE / "__init__.py", script, *(target.scripts / n for n in OTHER_SCRIPTS)):
         if path not in seen and path.is_file() and _has_marker(path):
             state.files.append(path)
     return state
@@ -227,7 +231,8 @@ def _real_on_sys_path(scanned: List[Path]) -> List[str]:
 def _default_files(info: Path, target: Target) -> List[Path]:
     """What an alias writes, for a dist-info whose RECORD is gone."""
     files = [p for p in info.iterdir()] if info.is_dir() else []
-    return files + [target.purelib / PACKAGE / "__init__.py", target.scripts / SCRIPT]
+    return files + [target.purelib / PACKAGE / "__init__.py", target.scripts / SCRIPT] + [
+        target.scripts / name for name in OTHER_SCRIPTS if _has_marker(target.scripts / name)]
 
 
 # ------------------------------------------------------------------------------ file contents
@@ -265,6 +270,17 @@ def script_source(version: str, python: Optional[str] = None) -> str:
               "    sys.exit(main())\n")
 
 
+def command_script_source(version: str, script: str, python: Optional[str] = None) -> str:
+    """DeepSpeed's console script ``script`` (``ds_report`` ...): its dsplug command."""
+    return (_shebang(python or sys.executable)
+            + f"# {MARKER}: DeepSpeed's {script} command, i.e. `dsplug {COMMAND_SCRIPTS[script]}` (deepspeed "
+              f"{version}); `dsplug deepspeed-alias disable` removes it.\n"
+              "import sys\n\n"
+              "from dsplug.plugins.deepspeed_alias.launcher import run_command\n\n"
+              "if __name__ == \"__main__\":\n"
+              f"    sys.exit(run_command({script!r}))\n")
+
+
 def metadata_text(version: str, dsplug_ver: str) -> str:
     return (
         "Metadata-Version: 2.1\n"
@@ -281,7 +297,12 @@ def metadata_text(version: str, dsplug_ver: str) -> str:
     )
 
 
-ENTRY_POINTS = "[console_scripts]\ndeepspeed = dsplug.plugins.deepspeed_alias.launcher:main\n"
+def entry_points_text(skipped: Iterable[str] = ()) -> str:
+    """``entry_points.txt``: the console scripts written (``pip uninstall`` removes the ones it lists)."""
+    skipped = set(skipped)
+    return "[console_scripts]\n" + "".join(f"{name} = dsplug.plugins.deepspeed_alias.launcher:{attr}\n"
+                                           for name, attr in SCRIPT_ENTRY_POINTS.items() if name not in skipped)
+
 
 
 def _hash(data: bytes) -> str:
@@ -337,14 +358,20 @@ def enable(target: Optional[Target] = None) -> List[str]:
     shim = purelib / PACKAGE / "__init__.py"
     script = target.scripts / SCRIPT
     info = purelib / f"deepspeed-{version}.dist-info"
+    # DeepSpeed's other commands: written unless another tool's file has the name
+    skipped = [target.scripts / n for n in OTHER_SCRIPTS
+               if (target.scripts / n).exists() and not _has_marker(target.scripts / n)]
     contents = {
         shim: (shim_source(version), None),
         script: (script_source(version), 0o755),
         info / "METADATA": (metadata_text(version, dsplug_ver), None),
         info / "INSTALLER": ("dsplug\n", None),
-        info / "entry_points.txt": (ENTRY_POINTS, None),
+        info / "entry_points.txt": (entry_points_text({p.name for p in skipped}), None),
         info / "top_level.txt": (f"{PACKAGE}\n", None),
     }
+    for name in OTHER_SCRIPTS:
+        if target.scripts / name not in skipped:
+            contents[target.scripts / name] = (command_script_source(version, name), 0o755)
     for path in [*contents, info / "RECORD"]:
         problem = _unwritable(path)
         if problem:
@@ -364,6 +391,9 @@ def enable(target: Optional[Target] = None) -> List[str]:
     return [f"deepspeed alias {verb}: deepspeed {version} (DeepSpeed API {DEEPSPEED_API_VERSION}, dsplug {dsplug_ver})",
             f"  import deepspeed  -> dsplug ({shim})",
             f"  deepspeed command -> dsplug launch ({script})",
+            *(f"  {name:<17} -> dsplug {COMMAND_SCRIPTS[name]} ({target.scripts / name})"
+              for name in OTHER_SCRIPTS if target.scripts / name not in skipped),
+            *(f"  {path.name:<17} -> not written: {path} exists and is not dsplug's" for path in skipped),
             f"  metadata          -> {info}",
             "undo with: dsplug deepspeed-alias disable"]
 

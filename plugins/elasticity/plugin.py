@@ -38,6 +38,13 @@ def deepspeed_config(config) -> Dict[str, Any]:
 
 
 @hookimpl
+def dsplug_cli_commands():
+    from .cli import ELASTIC
+
+    return [ELASTIC]
+
+
+@hookimpl
 def dsplug_config_sections():
     return [PluginSpec(category="section", name=C.ELASTICITY, section=C.ELASTICITY, schema=ElasticitySection,
                        deepspeed_config=deepspeed_config,

@@ -5,6 +5,9 @@ launcher also passes ``--local_rank=<n>`` on the command line, right after the s
 before the script's own arguments, and DeepSpeed scripts parse it. This shim, run as each
 worker, inserts that argument and then runs TARGET as ``__main__`` in this same process (a
 script path, or a module with ``--module``), or replaces itself with TARGET (``--no_python``).
+
+A dsplug config error raised by TARGET is printed as one line naming the rank (the same error on
+every rank would otherwise print a traceback each) and the worker exits with status 1.
 """
 from __future__ import annotations
 
@@ -40,13 +43,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if mode == "--no_python":
         os.execvp(target, new_argv)  # does not return
     sys.argv = new_argv
-    if mode == "--module":
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        # as `python script.py` would: the script's folder first on sys.path
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if mode == "--module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            # as `python script.py` would: the script's folder first on sys.path
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except Exception as exc:
+        if not is_config_error(exc):
+            raise
+        print(f"dsplug launch: rank {os.environ.get('RANK', local_rank)}: {one_line(exc)}", file=sys.stderr,
+              flush=True)
+        return 1
     return 0
+
+
+def is_config_error(exc: BaseException) -> bool:
+    schema = sys.modules.get("dsplug.config.schema")  # not imported: the error cannot be one of its
+    return schema is not None and isinstance(exc, schema.ConfigError)
+
+
+def one_line(exc: BaseException) -> str:
+    """The config error's message on one line (several issues joined by '; ')."""
+    issues = getattr(exc, "issues", None) or []
+    if len(issues) <= 1:
+        return " ".join(str(exc).split("\n"))
+    head = str(exc).split("\n", 1)[0]
+    return f"{head}: " + "; ".join(str(issue) for issue in issues)
 
 
 if __name__ == "__main__":

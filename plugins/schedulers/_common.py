@@ -194,14 +194,21 @@ def momentum_key(group: dict) -> Optional[str]:
     return None
 
 
-def write_momenta(param_groups: Sequence[dict], momenta: Sequence[float]) -> None:
+def write_momenta(param_groups: Sequence[dict], momenta: Sequence[float], beta2: Optional[float] = None) -> None:
+    """Each group's momentum: ``betas[0]`` (and ``betas[1]`` when ``beta2`` is given) of Adam-style
+    groups, ``momentum`` of SGD-style ones."""
     for group, momentum in zip(param_groups, momenta):
         if momentum_key(group) == "betas":
-            beta1, beta2 = group["betas"]
+            beta1, old_beta2 = group["betas"]
+            new_beta2 = old_beta2 if beta2 is None else beta2
             if _is_tensor_like(beta1):
                 beta1.fill_(momentum)
+                if beta2 is not None and _is_tensor_like(old_beta2):
+                    old_beta2.fill_(beta2)
+                elif beta2 is not None:
+                    group["betas"] = (beta1, new_beta2)
             else:
-                group["betas"] = (momentum, beta2)
+                group["betas"] = (momentum, new_beta2)
         else:
             write_value(group, "momentum", momentum)
 

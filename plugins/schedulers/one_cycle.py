@@ -27,12 +27,14 @@ intervals, as DeepSpeed computes it)::
 and ``decay_step_size = 0`` (the default) holds lr at ``cycle_min_lr`` and momentum at
 ``cycle_max_mom``. Note that, as in DeepSpeed, a positive ``decay_mom_rate`` *raises* momentum.
 
-Momentum (``cycle_momentum``, on by default) is written to ``betas[0]`` of Adam-style param
-groups, keeping ``betas[1]``, and to ``momentum`` of SGD-style groups. An optimizer with
-neither gets a warning and lr-only cycling, as in DeepSpeed. Two deliberate differences from
-DeepSpeed: the momentum written before the first ``step()`` is the formula's value at
-``p = 0`` (``cycle_max_mom``, where DeepSpeed writes ``cycle_min_mom``), and ``betas[1]`` is left
-as configured (DeepSpeed overwrites it with 0.99).
+Momentum (``cycle_momentum``, on by default) drives Adam-style param groups as DeepSpeed does:
+``betas = (momentum, 0.99)`` (``betas[1]`` becomes 0.99 whatever was configured), written from the
+start: a new schedule (``last_batch_iteration = -1``) writes ``betas = (cycle_min_mom, 0.99)``
+before the first ``step()`` (then ``get_mom()`` still reports the formula's value at ``p = 0``,
+``cycle_max_mom``, as DeepSpeed's does), and each ``step()`` the formula's value. These numbers
+equal DeepSpeed 0.19.8's (tests/data/deepspeed/one_cycle.json). SGD-style groups get the cycled
+value as ``momentum``, a dsplug extension: DeepSpeed's OneCycle silently leaves an optimizer without
+``betas`` alone (lr-only cycling). An optimizer with neither gets a warning and lr-only cycling.
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ from ._common import (
 )
 
 Value = Union[float, List[float]]
+
+#: ``betas[1]`` of Adam-style groups while OneCycle cycles their ``betas[0]`` (DeepSpeed's value)
+CYCLE_BETA2 = 0.99
 
 _one_cycle_rule = all_rules(
     ordered_pair("cycle_min_lr", "cycle_max_lr"),
@@ -177,7 +182,9 @@ class OneCycle(LRSchedule):
     def _apply(self) -> None:
         super()._apply()
         if self.cycle_momentum:
-            write_momenta(self.optimizer.param_groups, self.get_mom())
+            # a new schedule starts the optimizer at the lowest momentum, as DeepSpeed's does
+            momenta = list(self.min_moms) if self.last_batch_iteration == -1 else self.get_mom()
+            write_momenta(self.optimizer.param_groups, momenta, beta2=CYCLE_BETA2)
 
 
 @with_cross_field_rule(_one_cycle_rule)

@@ -59,6 +59,8 @@ def main(args) -> int:
             resolve_config_option(args)
         except ValueError as exc:
             raise TrainError(str(exc)) from None
+        if rank == 0:  # the first of the multi-second steps before training (reading a saved run imports it)
+            print("dsplug train: loading torch ...", flush=True)
         settings = resolve_settings(args, launched_worker=worker and world_size > 1)
         raw, where, notes = checked_config(args.config, settings, args.seed, world_size)
     except KeyboardInterrupt:
@@ -211,7 +213,7 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
 
 def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: List[str], args, started: float,
            rank: int, say, interrupt: Interrupt) -> int:
-    import torch
+    import torch  # imported already: main() said so
 
     import dsplug
     from dsplug import comm
@@ -239,6 +241,8 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
     seed = raw_config.get("seed")
     torch.manual_seed(seed if seed is not None else 0)
     model = CharTransformer(model_config)
+    # seconds: torch's first optimizer imports torch._dynamo
+    say("dsplug train: building the engine (dsplug.initialize) ...")
     engine, _, loader, _ = dsplug.initialize(model=model, training_data=dataset, config=raw_config)
     if engine.random_ltd_enabled():  # data_efficiency.data_routing.random_ltd: token dropping in the blocks
         _convert_blocks_to_random_ltd(engine)
@@ -294,7 +298,8 @@ def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Li
                 step_loss += float(loss.detach()) / gas
             losses.append((engine.global_steps, step_loss))
             if bar is not None:
-                bar.update(engine.global_steps, step_loss, engine.get_lr()[0])
+                bar.update(engine.global_steps, step_loss, engine.get_lr()[0],
+                           engine.precision.step_metrics().get("loss_scale"))
             if engine.global_steps % args.save_interval == 0:
                 if bar is not None:
                     bar.clear_line()

@@ -2,9 +2,11 @@
 
 Each update shows the step, the loss, the learning rate, throughput (tokens/s over the steps
 since the previous update) and the time left. On a terminal the line is redrawn at most every
-:data:`REDRAW_S` seconds; the ``dsplug`` logger's messages (the engine's ``steps_per_print``
-lines, warnings) are printed above it, because a filter on that logger clears the line first.
-Elsewhere (a file, a pipe, CI) a line is printed every ``every`` steps and at the last step.
+:data:`REDRAW_S` seconds; the ``dsplug`` logger's messages (warnings, skipped steps) are printed
+above it, because a filter on that logger clears the line first. Elsewhere (a file, a pipe, CI) a
+line is printed every ``every`` steps and at the last step. While the bar is open the engine's own
+``steps_per_print`` line (``dsplug.steps`` logger) is silenced: it would repeat the same step, loss
+and learning rate, so each interval gets one line.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import logging
 import sys
 import time
 from typing import Optional, TextIO
+
+from dsplug.logging import step_logger
 
 REDRAW_S = 0.2
 
@@ -47,6 +51,8 @@ class ProgressBar:
         self._last_draw = 0.0
         self._line_shown = False
         self._log_filter = None
+        self._step_level = step_logger.level
+        step_logger.setLevel(logging.WARNING)
         if self.interactive:
             self._log_filter = _ClearLineFilter(self)
             logging.getLogger("dsplug").addFilter(self._log_filter)
@@ -55,7 +61,7 @@ class ProgressBar:
     def stream(self) -> TextIO:
         return self._stream if self._stream is not None else sys.stdout
 
-    def update(self, step: int, loss: float, lr: float) -> None:
+    def update(self, step: int, loss: float, lr: float, loss_scale: Optional[float] = None) -> None:
         now = time.perf_counter()
         due = step == self.last or (now - self._last_draw >= REDRAW_S if self.interactive else
                                     (step - self.first + 1) % self.every == 0)
@@ -68,7 +74,8 @@ class ProgressBar:
         total = self.last - self.first + 1
         elapsed = now - self._start
         eta = elapsed / done * (total - done) if done else 0.0
-        text = (f"step {step}/{self.last}  loss {loss:.4f}  lr {lr:.2e}  {format_rate(self._rate)} tok/s  "
+        scale = f"  loss scale {loss_scale:g}" if loss_scale is not None else ""
+        text = (f"step {step}/{self.last}  loss {loss:.4f}  lr {lr:.2e}{scale}  {format_rate(self._rate)} tok/s  "
                 f"{format_duration(elapsed)} elapsed, {format_duration(eta)} left")
         if self.interactive:
             filled = int(self.width * done / total) if total else self.width
@@ -94,6 +101,9 @@ class ProgressBar:
         if self._log_filter is not None:
             logging.getLogger("dsplug").removeFilter(self._log_filter)
             self._log_filter = None
+        if self._step_level is not None:
+            step_logger.setLevel(self._step_level)
+            self._step_level = None
 
 
 class _ClearLineFilter(logging.Filter):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import List, Optional, Union
 
-from dsplug.config.schema import field, is_auto, schema
+from dsplug.config.schema import boolean_from_string, field, is_auto, schema
 
 BIG = 10**9
 
@@ -119,6 +119,8 @@ class ZeroConfig:
             if old not in data:
                 continue
             value = data.pop(old)
+            flag = boolean_from_string(value, f"{path}.{old}", report)
+            value = value if flag is None else flag
             if not isinstance(value, bool):
                 report.error(f"{path}.{old}", f"{value!r} is not valid: expected a boolean (legacy key; use {new})")
                 continue

@@ -61,7 +61,10 @@ def dsplug_auto_value(path, hidden_size):
 def dsplug_api_modules():
     return [ApiModule("dsplug.utils.zero_to_fp32", "dsplug.plugins.zero.checkpoint.zero_to_fp32"),
             ApiModule("dsplug.zero_to_fp32", "dsplug.plugins.zero.checkpoint.zero_to_fp32"),
-            ApiModule("dsplug.runtime.zero.config", "dsplug.plugins.zero.ds_config")]
+            ApiModule("dsplug.runtime.zero.config", "dsplug.plugins.zero.ds_config"),
+            # DeepSpeed's memory estimators, where its docs import them from
+            ApiModule("dsplug.runtime.zero.stage3", "dsplug.plugins.zero.memory_estimators"),
+            ApiModule("dsplug.runtime.zero.stage_1_and_2", "dsplug.plugins.zero.memory_estimators")]
 
 
 @hookimpl

@@ -79,3 +79,31 @@ def test_report_runs(capsys):
     code, out, _ = run(capsys, "report")
     assert code == 0
     assert "accelerator      cpu (backend gloo" in out and "torch            2." in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trian"], "unknown command 'trian'; did you mean 'train'?"),
+    (["lsit"], "unknown command 'lsit'; did you mean 'list'?"),
+    (["config", "chek", "x.json"], "unknown command 'chek'; did you mean 'check'?"),
+])
+def test_a_mistyped_command_gets_a_did_you_mean(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "(commands: " in err
+
+
+def test_an_unknown_command_with_no_close_match_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate' (commands: " in err and "did you mean" not in err
+    assert "train" in err and "list" in err
+
+
+def test_version(capsys):
+    from dsplug import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"dsplug {__version__}\n"

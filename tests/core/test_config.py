@@ -471,3 +471,67 @@ def test_an_optional_nested_schema_reports_the_key_inside_it():
     with pytest.raises(ConfigError) as info:
         parse(_Outer, {"inner": {"stepz": 3}}, "section")
     assert "section.inner.stepz: unknown key; did you mean 'section.inner.steps'?" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- DeepSpeed's leniencies
+def test_a_json_file_with_comments_reads_as_hjson_as_deepspeed_reads_it(tmp_path):
+    path = tmp_path / "ds_config.json"  # DeepSpeed's documented configs carry comments in .json files
+    path.write_text('{\n  // the batch\n  "train_batch_size": 8,\n  "fp16": {"enabled": true}  # loss scaling\n}\n')
+    config = DsplugConfig(str(path), world_size=2)
+    assert (config.train_batch_size, config["fp16"]["enabled"]) == (8, True)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": [8,\n}')
+    assert errors_of(str(bad))[0].startswith(f"{bad} is not valid JSON: ")
+
+
+def test_dependencies_include_numpy_and_hjson():
+    import pathlib
+    import tomllib
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
+    names = {d.split(">")[0].split("=")[0].split(";")[0].strip() for d in pyproject["project"]["dependencies"]}
+    assert {"numpy", "hjson"} <= names
+
+
+@pytest.mark.parametrize("text, flag", [("true", True), ("false", False), ("False", False), ("TRUE", True),
+                                        ("tRuE", True)])
+def test_true_false_strings_read_as_booleans_with_a_warning_showing_json(text, flag):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = DsplugConfig({"train_batch_size": 8, "fp16": {"enabled": text},
+                               "aio": {"single_submit": text}}, world_size=1)
+    assert config["fp16"]["enabled"] is flag and config["aio"]["single_submit"] is flag
+    assert config.section("fp16").enabled is flag
+    json_form = "true" if flag else "false"
+    messages = [str(w.message) for w in caught if issubclass(w.category, DsplugDeprecationWarning)]
+    assert f"fp16.enabled: {text!r} is a string; read as the JSON boolean {json_form} (write {json_form} " \
+           "without quotes)" in messages
+    assert any(m.startswith(f"aio.single_submit: {text!r} is a string") for m in messages)
+
+
+def test_true_false_strings_in_optional_and_legacy_boolean_keys():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = DsplugConfig({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1,
+                               "foreach": "false"}}, "zero_allow_untested_optimizer": "true",
+                               "zero_optimization": {"stage": 2, "cpu_offload": "True"}},
+                              world_size=1)
+    assert config.optimizer.params.foreach is False
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize("text", ["yes", "1", "", " true", "truee", "on"])
+def test_other_strings_for_a_boolean_stay_errors(text):
+    assert errors_of({"train_batch_size": 8, "fp16": {"enabled": text}}) == [
+        f"fp16.enabled: {text!r} is not valid: expected a boolean"]
+    assert errors_of({"train_batch_size": 8, "zero_optimization": {"cpu_offload": text}}) == [
+        f"zero_optimization.cpu_offload: {text!r} is not valid: expected a boolean (legacy key; use offload_optimizer)"]
+
+
+def test_a_string_member_of_a_union_keeps_true_as_a_string():
+    @schema_decorator
+    class Either:
+        value: typing.Union[bool, str] = schema_field(False)
+
+    assert parse(Either, {"value": "true"}).value == "true"
+    assert parse(Either, {"value": True}).value is True

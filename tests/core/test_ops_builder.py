@@ -187,3 +187,104 @@ def test_cold_build_of_all_ops_into_a_fresh_cache(tmp_path):
     status = subprocess.run([sys.executable, "-c", "from dsplug.op_builder import all_op_status as a; "
                              "print(all(s.built for s in a()))"], capture_output=True, text=True, env=env)
     assert status.stdout.strip() == "True"
+
+
+# ------------------------------------------------------------------- install-time builds, first-use notice
+FAKE_CXX = """#!/bin/sh
+# a stand-in compiler: writes the files ninja expects, compiles nothing
+if [ "$1" = "--version" ]; then echo "fake-cxx 1.0"; exit 0; fi
+out=""; dep=""
+while [ $# -gt 0 ]; do
+  case "$1" in -o) out="$2"; shift;; -MF) dep="$2"; shift;; esac
+  shift
+done
+[ -n "$dep" ] && echo "$out:" > "$dep"
+echo fake > "$out"
+"""
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fake_cxx(tmp_path, monkeypatch):
+    if os.name != "posix" or tc.find_toolchain().ninja is None or tc.find_toolchain().pybind11_include is None:
+        pytest.skip("needs POSIX, ninja and pybind11")
+    path = tmp_path / "fake-cxx"
+    path.write_text(FAKE_CXX)
+    path.chmod(0o755)
+    monkeypatch.setenv("CXX", str(path))
+    monkeypatch.setenv("DSPLUG_OPS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DSPLUG_DISABLE_NATIVE_OPS", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return path
+
+
+def test_cache_key_ignores_where_pybind11_and_python_headers_are(monkeypatch):
+    """An install-time build runs in pip's isolated environment, with pybind11 elsewhere: same key."""
+    import dataclasses
+
+    key = CPUAdamBuilder().cache_key()
+    elsewhere = dataclasses.replace(tc.find_toolchain(), pybind11_include="/tmp/pip-build-env-x/pybind11/include",
+                                    python_include="/opt/python/include/python3.11")
+    monkeypatch.setattr(tc, "find_toolchain", lambda: elsewhere)
+    assert CPUAdamBuilder().cache_key() == key
+    monkeypatch.setattr(tc, "find_toolchain", lambda: dataclasses.replace(elsewhere, pybind11_version="0.0.1"))
+    assert CPUAdamBuilder().cache_key() != key  # another pybind11 is another build
+
+
+def test_a_first_use_build_says_so_before_and_after(fake_cxx, tmp_path, capsys, monkeypatch):
+    library = CPUAdamBuilder().build(announce=True)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"dsplug: building native op cpu_adam, first use, ~{CPUAdamBuilder.BUILD_SECONDS} s "
+                      "(`dsplug build-ops` builds every op ahead of time)")
+    assert err[1].startswith("dsplug: built native op cpu_adam in ") and str(library.parent) in err[1]
+    assert len(err) == 2 and library.is_file()
+    CPUAdamBuilder().build(announce=True)  # built: nothing to say
+    CPUAdamBuilder().build(force=True)  # `dsplug build-ops` reports its builds itself
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LOCAL_RANK", "1")  # one process per machine announces; the others wait on the lock
+    QuantizerBuilder = ob.QuantizerBuilder
+    QuantizerBuilder().build(announce=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_loading_an_unbuilt_op_announces_its_build(monkeypatch):
+    calls = []
+
+    def build(self, **kwargs):
+        calls.append(kwargs)
+        raise ob.OpBuildError("stop here")
+
+    monkeypatch.setattr(builder_mod.OpBuilder, "build", build)
+    monkeypatch.setattr(builder_mod, "_EXTENSIONS", {})
+    with pytest.raises(ob.OpBuildError):
+        CPUAdamBuilder().load_extension()
+    assert calls and calls[0].get("announce") is True
+
+
+def test_setup_builds_every_op_into_the_package_and_the_runtime_finds_it(fake_cxx, tmp_path, monkeypatch):
+    """setup.py's install-time step (with a stand-in compiler): every op lands in the package's
+    prebuilt folder with only its library and build.json, and the runtime loads from there first."""
+    package = tmp_path / "site" / "dsplug"
+    shutil.copytree(REPO / "core", package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "csrc", package / "csrc", ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+    script = ("import runpy, sys\nsys.argv = ['setup.py', '--name']\n"
+              f"runpy.run_path({str(REPO / 'setup.py')!r})['build_native_ops']({str(package)!r})\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dsplug install: ")]
+    assert lines[0].startswith("dsplug install: building native ops async_io, cpu_optim, quantizer, sparse_attn")
+    assert any(line.startswith("dsplug install: built native op(s) cpu_adagrad, cpu_adam, cpu_lion (") for line in lines)
+    assert lines[-1].startswith("dsplug install: native ops done in ")
+    prebuilt = package / "csrc" / "prebuilt"
+    monkeypatch.setattr(builder_mod, "csrc_root", lambda: package / "csrc")
+    for name in ALL_OPS:
+        builder = ob.get_builder(name)
+        assert builder.is_prebuilt() and builder.build_dir().parent == prebuilt, name
+        assert sorted(p.name for p in builder.build_dir().iterdir()) == sorted(["build.json", builder.library_name()])
+        assert op_status(name).built and "built at install in" in op_status(name).detail
+        assert builder.build() == builder.build_dir() / builder.library_name()
+    assert sorted(p.name for p in prebuilt.iterdir()) == sorted({ob.get_builder(n).dir_name() for n in ALL_OPS})
+    assert not (tmp_path / "cache").exists()  # nothing built at first use
+    skipped = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300,
+                             env=dict(os.environ, DSPLUG_BUILD_OPS="0"))
+    assert "native ops not built (DSPLUG_BUILD_OPS=0)" in skipped.stdout

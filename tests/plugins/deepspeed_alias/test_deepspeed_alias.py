@@ -97,7 +97,14 @@ CHECKS = """
     import importlib, importlib.metadata, sys
     import deepspeed
     import dsplug
-    assert deepspeed is dsplug
+    # dsplug's namespace under DeepSpeed's name, with the alias distribution's version
+    assert deepspeed.initialize is dsplug.initialize and deepspeed.DeepSpeedEngine is dsplug.DeepSpeedEngine
+    assert deepspeed.__version__ == importlib.metadata.version("deepspeed") != dsplug.__version__
+    assert (deepspeed.__version_major__, deepspeed.__version_minor__, deepspeed.__version_patch__) == (0, 19, 8)
+    deepspeed.patched_by_a_test = 1  # monkeypatching deepspeed.X patches dsplug.X
+    assert dsplug.patched_by_a_test == 1
+    del deepspeed.patched_by_a_test
+    assert not hasattr(dsplug, "patched_by_a_test")
     import deepspeed.comm
     assert deepspeed.comm is dsplug.comm, "deepspeed.comm must be the same module object"
     import deepspeed.comm as dist
@@ -184,6 +191,63 @@ def test_deepspeed_command_is_dsplug_launch(venv):
     assert ours.stdout == theirs.stdout and "train.py --lr 0.1" in ours.stdout
     bad = subprocess.run([str(script), "--num_procs", "0", "t.py"], capture_output=True, text=True, env=venv.env())
     assert bad.returncode == 2 and "usage: deepspeed" in bad.stderr
+
+
+ELASTIC_CONFIG = {"train_batch_size": 8, "elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                                                         "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
+                                                         "max_gpus": 10000, "min_time": 20, "version": 0.1}}
+
+
+def test_deepspeeds_other_commands_are_their_dsplug_commands(venv):
+    """DeepSpeed's console scripts that map to a dsplug command, installed and removed with the alias."""
+    before = venv.snapshot()
+    assert venv.alias("enable").returncode == 0
+    config = venv.root / "elastic.json"
+    config.write_text(json.dumps(ELASTIC_CONFIG))
+
+    def run(*argv):
+        return subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=venv.env(),
+                              cwd=str(venv.root))
+
+    for script, command, args in [("ds_report", "report", ["--help"]), ("dsr", "report", ["--help"]),
+                                  ("ds_nvme_tune", "nvme-tune", ["--help"]), ("ds_elastic", "elastic", ["--help"]),
+                                  ("ds_elastic", "elastic", ["-c", config, "-w", "4"]),
+                                  ("deepspeed.pt", "launch", ["--print_only", "--num_procs", "2", "t.py"]),
+                                  ("ds", "launch", ["--print_only", "--num_procs", "2", "t.py"])]:
+        path = venv.scripts / script
+        assert path.is_file() and os.access(path, os.X_OK), script
+        ours = run(path, *args)
+        theirs = run(venv.python, "-m", "dsplug.cli", command, *args)
+        assert ours.returncode == theirs.returncode == 0, (script, ours.stderr, theirs.stderr)
+        if args == ["--help"]:
+            assert ours.stdout.startswith(f"usage: {script} ") and theirs.stdout.startswith(f"usage: dsplug {command} ")
+            # the same help after the usage lines (which wrap by the program name's length)
+            assert ours.stdout.split("\n\n", 1)[1:] == theirs.stdout.split("\n\n", 1)[1:], script
+        else:
+            assert ours.stdout == theirs.stdout, script
+    assert "final_batch_size .... 1680" in run(venv.scripts / "ds_elastic", "-c", config, "-w", "4").stdout
+    report = run(venv.scripts / "ds_report")
+    assert report.returncode == 0 and report.stdout == run(venv.python, "-m", "dsplug.cli", "report").stdout
+    scripts = venv.py("import importlib.metadata as m; print(sorted(ep.name for ep in "
+                      "m.distribution('deepspeed').entry_points if ep.group == 'console_scripts'))", check=True)
+    assert scripts.stdout.strip() == str(sorted(["deepspeed", "deepspeed.pt", "ds", "ds_elastic", "ds_nvme_tune",
+                                                 "ds_report", "dsr"]))
+    config.unlink()
+    assert venv.alias("disable").returncode == 0
+    assert venv.snapshot() == before
+
+
+def test_another_tools_command_of_the_same_name_is_left_alone(venv):
+    foreign = venv.scripts / "ds"
+    foreign.write_text("#!/bin/sh\necho another tool\n")
+    proc = venv.alias("enable")
+    assert proc.returncode == 0, proc.stderr
+    assert f"ds                -> not written: {foreign} exists and is not dsplug's" in proc.stdout
+    assert foreign.read_text() == "#!/bin/sh\necho another tool\n" and (venv.scripts / "ds_report").is_file()
+    entry_points = next(venv.purelib.glob("deepspeed-*.dist-info")) / "entry_points.txt"
+    assert "\nds = " not in entry_points.read_text() and "\nds_report = " in entry_points.read_text()
+    assert venv.alias("disable").returncode == 0
+    assert foreign.read_text() == "#!/bin/sh\necho another tool\n" and not (venv.scripts / "ds_report").exists()
 
 
 def test_disable_removes_exactly_what_enable_wrote(venv):
@@ -338,14 +402,17 @@ def test_finder_in_process_serves_the_same_module_objects():
 
     assert "deepspeed" not in sys.modules
     try:
-        assert finder.install() is dsplug
-        finder.install()  # once on sys.meta_path
+        from dsplug.plugins.deepspeed_alias.install import alias_version
+
+        module = finder.install()
+        assert module.__version__ == alias_version() and module.initialize is dsplug.initialize
+        assert finder.install() is module  # once on sys.meta_path
         assert sum(getattr(f, "dsplug_deepspeed_alias", False) for f in sys.meta_path) == 1
         import deepspeed
         import deepspeed.comm
         import deepspeed.utils.zero_to_fp32
 
-        assert deepspeed is dsplug and deepspeed.comm is importlib.import_module("dsplug.comm")
+        assert deepspeed is module and deepspeed.comm is importlib.import_module("dsplug.comm")
         assert deepspeed.utils.zero_to_fp32 is importlib.import_module("dsplug.utils.zero_to_fp32")
         assert importlib.import_module("dsplug.comm").__spec__.name == "dsplug.comm"
         with pytest.raises(ModuleNotAvailableInDsplug, match="LoRA"):

@@ -430,3 +430,27 @@ def test_an_invalid_enabled_section_reports_only_its_own_error():
         dsplug.DsplugConfig({"elasticity": {"enabled": True, "max_train_batch_size": 100, "micro_batch_sizes": [2, 4],
                                             "min_gpus": 0}}, world_size=2)
     assert "elasticity.min_gpus" in str(info.value) and "train_batch_size" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------ dsplug elastic (ds_elastic)
+def test_elastic_command_prints_the_section_and_the_batch(tmp_path, capsys):
+    from dsplug.cli import main
+
+    section = {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
+               "max_gpus": 10000, "min_time": 20, "version": 0.1}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "elasticity": section}))
+    from dsplug.elasticity import compute_elastic_config
+
+    batch, gpus, micro = compute_elastic_config({"elasticity": section}, "0.19.8", world_size=4)
+    assert main(["elastic", "-c", str(path), "-w", "4"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.split("Elasticity config:\n" + "-" * 42 + "\n")[1].split("\n---")[0]) == section
+    assert out.endswith(f"Calculated results for world size 4:\n{'-' * 42}\nfinal_batch_size .... {batch}\n"
+                        f"valid_gpus .......... {gpus}\nmicro_batch_size .... {micro}\n")
+    assert main(["elastic", "-c", str(path)]) == 0
+    assert capsys.readouterr().out.endswith(f"final_batch_size .... {batch}\nvalid_gpus .......... {gpus}\n")
+    assert 9 not in gpus
+    assert main(["elastic", "-c", str(path), "-w", "9"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dsplug elastic: {path}: ") and len(err.splitlines()) == 1

@@ -597,6 +597,40 @@ def test_child_exit_code_propagates_and_no_local_rank(tmp_path, dsplug_launch):
     assert "exited with status 7" in result.stderr
 
 
+@pytest.mark.multiprocess
+def test_a_config_error_is_one_line_per_rank_and_exit_1(tmp_path, dsplug_launch):
+    script = tmp_path / "bad_config.py"
+    script.write_text("import sys, torch, dsplug\nmodel = torch.nn.Linear(2, 2)\n"
+                      "dsplug.initialize(model=model, model_parameters=model.parameters(), config=sys.argv[-1])\n")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 2, "fp16": {"enabld": True}, "zero_optimization": {"stage": 9}}))
+    result = dsplug_launch(script, config, procs=2)
+    assert result.returncode == 1, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    expected = (f"invalid dsplug config ({config}): 2 errors: fp16.enabld: unknown key; did you mean 'fp16.enabled'?; "
+                "zero_optimization.stage: 9 is not valid: must be <= 3")
+    lines = sorted(line for line in output.splitlines() if line.startswith("dsplug launch: rank"))
+    # a rank killed by torchrun after the other failed may not get to print its line
+    assert lines in ([f"dsplug launch: rank 0: {expected}", f"dsplug launch: rank 1: {expected}"],
+                     [f"dsplug launch: rank 0: {expected}"], [f"dsplug launch: rank 1: {expected}"]), output
+
+
+def test_shim_reports_a_config_error_in_one_line(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "bad.py"
+    script.write_text("import dsplug\ndsplug.DsplugConfig({'train_batch_size': 2, 'fp16': {'enabled': 'yes'}})\n")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert shim.main([str(script)]) == 1
+    assert capsys.readouterr().err == ("dsplug launch: rank 3: invalid dsplug config (dict): fp16.enabled: 'yes' is "
+                                       "not valid: expected a boolean\n")
+    script.write_text("raise ValueError('not a config error')\n")
+    with pytest.raises(ValueError, match="not a config error"):
+        shim.main([str(script)])
+
+
 SIGINT_WORKER = textwrap.dedent(
     """
     import os, signal, sys, time

@@ -376,7 +376,7 @@ def test_number_formatting():
     assert number_to_string(0) == "0 "
     assert number_to_string(2.5e12) == "2.5 T"
     assert number_to_string(999) == "999 "
-    assert number_to_string(1234567, units="k") == "1234.57 k"
+    assert number_to_string(1234567, units="K") == number_to_string(1234567, units="k") == "1234.57 K"
     assert macs_to_string(3.14e9) == "3.14 GMACs"
     assert flops_to_string(8.2e13) == "82 TFLOPS"
     assert params_to_string(1.5e9) == "1.5 B"
@@ -397,7 +397,7 @@ def test_as_string_on_and_off():
     macs = 8 * (100 * 300 + 300 * 10)
     assert numbers == (2 * macs + 8 * 300, macs, 100 * 300 + 300 + 300 * 10 + 10)
     assert strings == (number_to_string(numbers[0]), macs_to_string(numbers[1]), params_to_string(numbers[2]))
-    assert strings == ("530.4 k", "264 kMACs", "33.31 k")
+    assert strings == ("530.4 K", "264 KMACs", "33.31 K")  # DeepSpeed's unit letter for thousands
 
 
 class Deep(nn.Module):

@@ -142,7 +142,7 @@ def test_wall_clock_breakdown_and_recompute_factor_in_the_summary(capsys):
     assert summary_value(text, "step latency") == "250 us"
     flops = 2 * MLP_MACS + BATCH * HIDDEN
     bwd_flops = summary_value(text, "bwd FLOPS per GPU = (2 + 0.5) * fwd flops per GPU / bwd latency")
-    assert flops == 600 and bwd_flops == "300 kFLOPS"  # 2.5 * 600 / 5 ms
+    assert flops == 600 and bwd_flops == "300 KFLOPS"  # 2.5 * 600 / 5 ms
     assert summary_value(text, "fwd+bwd FLOPS per GPU = (3 + 0.5) * fwd flops per GPU / (fwd+bwd latency)")
     assert "Detailed Profile" not in text
 

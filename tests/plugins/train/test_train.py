@@ -90,6 +90,10 @@ def test_short_run_learns_and_writes_where_it_says(resumed_run):
     out, first, _, _ = resumed_run
     stdout = ok(first)
     assert "training steps 1..6" in stdout
+    # one progress line per steps_per_print (2) interval, the lr rounded; the engine's own line is silenced
+    progress = [line for line in stdout.splitlines() if re.match(r"(train: |\[dsplug\] )step[ =]\d", line)]
+    assert [re.match(r"train: step (\d)/6  loss \d\.\d{4}  lr \d\.\d\de-\d\d  ", line).group(1)
+            for line in progress] == ["2", "4", "6"], stdout
     checkpoints = printed_path(stdout, "checkpoints")
     csv_dir = printed_path(stdout, "csv_monitor")
     assert checkpoints == out / "checkpoints" and csv_dir == out / "csv_monitor"
@@ -481,6 +485,17 @@ def test_progress_plain_lines_every_n_steps():
     lines = stream.getvalue().splitlines()
     assert [re.search(r"step (\d+)/5", line).group(1) for line in lines] == ["2", "4", "5"]
     assert "loss 3.0000" in lines[0] and "lr 1.00e-03" in lines[0] and "tok/s" in lines[0]
+
+
+def test_progress_silences_the_engines_step_line_while_open(capsys):
+    from dsplug.logging import step_logger
+
+    bar = ProgressBar(first=1, last=2, tokens_per_step=1, stream=io.StringIO(), interactive=False)
+    step_logger.info("[dsplug] step=1, lr=[0.001]")
+    dsplug_logger.info("a warning")
+    bar.close()
+    step_logger.info("[dsplug] step=2, lr=[0.001]")
+    assert capsys.readouterr().out.splitlines() == ["a warning", "[dsplug] step=2, lr=[0.001]"]
 
 
 def test_progress_on_a_terminal_redraws_one_line_and_clears_it_for_log_messages():

@@ -255,7 +255,7 @@ KNOB_RUNS = {
     "s1-bf16-gas2": dict(zero={"stage": 1}, gas=2, precision="bf16", kernel={"data_types": {"grad_accum_dtype": "bf16"}}),
     "s2-bf16-gas2": dict(zero={"stage": 2}, gas=2, precision="bf16", kernel={"data_types": {"grad_accum_dtype": "bf16"}}),
     "s2-bf16-overlap-gas2": dict(zero={"stage": 2, "overlap_comm": True, "reduce_bucket_size": 300}, gas=2,
-                                 precision="bf16"),
+                                 precision="bf16", kernel={"data_types": {"grad_accum_dtype": "fp32"}}),
 }
 
 
@@ -441,7 +441,7 @@ def test_stage1_reduces_once_per_step_stage2_every_micro_step(knob_runs):
 def test_memory_per_rank_matches_the_zero_formula(knob_runs, name, stage, half, fp32_grads):
     psi, world = LAYERS * IN_K * IN_K, 2
     formula = dict(model_state_bytes(psi, world, stage, half_precision=half, optimizer_states=2)["device"])
-    if fp32_grads:  # gradients accumulated in fp32 (bf16's default grad_accum_dtype): 4 bytes each
+    if fp32_grads:  # gradients accumulated in fp32 (data_types.grad_accum_dtype fp32): 4 bytes each
         formula["gradients"] = model_state_bytes(psi, world, stage, half_precision=False)["device"]["gradients"]
     width = 2 if half else 4
     for by_rank in knob_runs:

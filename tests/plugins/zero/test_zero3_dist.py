@@ -159,9 +159,9 @@ def test_bytes_held_per_rank_match_the_zero3_memory_formula(main_run):
         assert memory["fp32"]["total"] == fp32["total"] + scalars
         bf16 = model_state_bytes(padded, WORLD, 3, half_precision=True)["device"]
         assert memory["bf16"]["parameters"] == bf16["parameters"]
-        # bf16 accumulates gradients in fp32 by default (data_types.grad_accum_dtype): 4 bytes, not 2
-        assert memory["bf16_accum"] == "torch.float32"
-        assert memory["bf16"]["gradients"] == bf16["gradients"] * 2
+        # under ZeRO bf16 accumulates gradients in bf16 by default, as DeepSpeed (data_types.grad_accum_dtype)
+        assert memory["bf16_accum"] == "torch.bfloat16"
+        assert memory["bf16"]["gradients"] == bf16["gradients"]
         assert memory["bf16"]["optimizer_states"] == bf16["optimizer_states"] + scalars
         # with a persistence threshold the small parameters are also held whole (in the padded buffer the
         # all-gather filled)
