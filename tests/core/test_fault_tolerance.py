@@ -309,7 +309,7 @@ def exit_job(out_dir: str, signame: str) -> None:
     import dsplug
     from dsplug import comm
 
-    from .engine_common import batch, loss_fn, make_model
+    from tests.engine_common import batch, loss_fn, make_model
 
     rank = int(os.environ["RANK"])
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6, "comm_timeout_s": EXIT_TIMEOUT_S,

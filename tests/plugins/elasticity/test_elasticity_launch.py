@@ -201,7 +201,7 @@ def _records(path):
 
 def _wait(what, condition, timeout, procs=()):
     deadline = Deadline(timeout)
-    while time.monotonic() < deadline:
+    while not deadline.expired():
         if condition():
             return
         if any(p.poll() is not None for p in procs):
