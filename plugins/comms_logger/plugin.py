@@ -1,9 +1,10 @@
 """Registers the comms logger: it owns the ``comms_logger`` config section.
 
 Entry point: ``observer-comms-logger = "dsplug.plugins.comms_logger.plugin"``. With
-``comms_logger.enabled`` the factory (:func:`.observer.build_observer`) registers a :class:`~.logger.CommsLogger`'s comm hooks
-(``dsplug_comm_op``, ``dsplug_comm_summary``) on the engine's comm layer (``context.comm.events``);
-``dsplug.comm.log_summary()`` prints its table; closing the engine unregisters them.
+``comms_logger.enabled`` the factory (:func:`.observer.build_observer`) registers a
+:class:`~.logger.CommsLogger`'s comm hooks (``dsplug_comm_op``, ``dsplug_comm_summary``) on the
+engine's comm layer (``context.comm.events``); ``dsplug.comm.log_summary()`` prints its table;
+closing the engine unregisters them.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dsplug.descriptors import PluginSpec
 from dsplug.hookspecs import hookimpl
 
-from .config import CurriculumLearningConfig
+from .config import LegacyCurriculumConfig
 from .observer import SECTION, build_observer, deepspeed_config, engine_methods
 
 
@@ -25,7 +25,7 @@ def dsplug_observers():
         category="observer",
         name=SECTION,
         section=SECTION,
-        schema=CurriculumLearningConfig,
+        schema=LegacyCurriculumConfig,
         factory=build_observer,
         deepspeed_config=deepspeed_config,
         summary="legacy curriculum learning: curriculum_seqlen per global step (fixed_linear / fixed_root / "
