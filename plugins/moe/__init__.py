@@ -7,13 +7,13 @@ all-to-all over the ``"ep_size_<N>"`` groups of :mod:`.groups` (``dsplug.utils.g
 * :mod:`.layer` -- ``MoE``: the layer a model uses (with PR-MoE's residual branch)
 * :mod:`.utils` -- ``is_moe_param``, optimizer parameter groups for expert parameters
 * :mod:`.checkpoint` -- expert weights saved one file per expert (DeepSpeed's layout), loadable
-  at another ``ep_size``; registered through the checkpoint hooks below
+  at another ``ep_size``; registered through the checkpoint hooks of :mod:`.plugin`
 * :mod:`.groups` -- DeepSpeed's ``deepspeed.utils.groups``: the kernel's data- / model-parallel
   names plus the expert-parallel and expert-data-parallel groups
 
-How the engine and the ZeRO stages treat experts comes through the kernel's hooks below, never
-through a stage knowing MoE: ``dsplug_reduction_groups`` creates the groups the model's experts
-name, ``dsplug_param_reduction`` tells that an expert's gradient is averaged in its
+How the engine and the ZeRO stages treat experts comes through the kernel's hooks (:mod:`.plugin`),
+never through a stage knowing MoE: ``dsplug_reduction_groups`` creates the groups the model's
+experts name, ``dsplug_param_reduction`` tells that an expert's gradient is averaged in its
 expert-data-parallel group.
 
 :mod:`.plugin` (entry point ``moe``) declares the import paths and the hooks.
