@@ -76,7 +76,8 @@ def _select(mode) -> None:
     """Make ``mode``'s settings active (see the module docstring)."""
     from dsplug.plugins.activation_checkpointing import checkpointing as impl
 
-    impl._settings = impl.Settings(**{**impl.attrs.asdict(impl.Settings()), **OPTIONS.get(mode, {})})
+    defaults = impl.attrs.asdict(impl.CheckpointingSettings())
+    impl._settings = impl.CheckpointingSettings(**{**defaults, **OPTIONS.get(mode, {})})
 
 
 def _data():

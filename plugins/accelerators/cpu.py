@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.accelerator import Accelerator
 
 
@@ -83,8 +83,8 @@ def _rss_bytes() -> int:
         return 0
 
 
-@hookimpl
-def dsplug_accelerators():
+def specs():
+    """The CPU accelerator spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="accelerator",

@@ -4,7 +4,7 @@ Written against torch's device-agnostic API so the same engine code runs on CPU 
 """
 from __future__ import annotations
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.accelerator import Accelerator
 
 
@@ -225,8 +225,8 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.is_bf16_supported()
 
 
-@hookimpl
-def dsplug_accelerators():
+def specs():
+    """The CUDA accelerator spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="accelerator",

@@ -61,7 +61,7 @@ __all__ = [
 
 # ------------------------------------------------------------------------------ configuration
 @attrs.define
-class Settings:
+class CheckpointingSettings:
     """The active configuration (:func:`settings`); DeepSpeed keeps these in module globals."""
 
     partition_activations: bool = False
@@ -72,13 +72,13 @@ class Settings:
     profile: bool = False
 
 
-_settings = Settings()
+_settings = CheckpointingSettings()
 _configured = False
 _mpu = None
 _mp_rank, _mp_size, _mp_group = 0, 1, None
 
 
-def settings() -> Settings:
+def settings() -> CheckpointingSettings:
     """A copy of the active configuration."""
     return attrs.evolve(_settings)
 
@@ -124,7 +124,7 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     """
     global _mpu
     section = _section_of(deepspeed_config) if deepspeed_config is not None else ActivationCheckpointingConfig()
-    new = Settings(partition_activations=section.partition_activations,
+    new = CheckpointingSettings(partition_activations=section.partition_activations,
                    contiguous_checkpointing=section.contiguous_memory_optimization,
                    num_checkpoints=section.number_checkpoints, checkpoint_in_cpu=section.cpu_checkpointing,
                    synchronize=section.synchronize_checkpoint_boundary, profile=section.profile)
@@ -143,7 +143,7 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     _apply(new, mpu_ if mpu_ is not None else _mpu)
 
 
-def _apply(new: Settings, mpu) -> None:
+def _apply(new: CheckpointingSettings, mpu) -> None:
     global _settings, _configured, _mpu, _mp_rank, _mp_size, _mp_group
     _mpu = mpu
     _mp_rank, _mp_size, _mp_group = _mp_of(mpu)
@@ -162,7 +162,7 @@ def _apply(new: Settings, mpu) -> None:
 def _configure_from_section(section: ActivationCheckpointingConfig) -> None:
     """The engine's configuration from its ``activation_checkpointing`` section (the mpu of an
     earlier :func:`configure` stays)."""
-    new = Settings(partition_activations=section.partition_activations,
+    new = CheckpointingSettings(partition_activations=section.partition_activations,
                    contiguous_checkpointing=section.contiguous_memory_optimization,
                    num_checkpoints=section.number_checkpoints, checkpoint_in_cpu=section.cpu_checkpointing,
                    synchronize=section.synchronize_checkpoint_boundary, profile=section.profile)

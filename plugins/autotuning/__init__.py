@@ -10,41 +10,8 @@
 * :mod:`.runner`    -- each experiment as a real ``dsplug launch`` subprocess; the progress lines;
 * :mod:`.report`    -- the ranked results table;
 * :mod:`.autotuner` -- ``Autotuner`` / ``run_autotuning``, run for ``dsplug launch --autotuning``
-  (the launcher asks the ``dsplug_launch_override`` hook below);
+  (the launcher asks the ``dsplug_launch_override`` hook of :mod:`.plugin`);
 * :mod:`.api`       -- the names of ``dsplug.autotuning`` (= ``deepspeed.autotuning``).
 
-Entry point ``autotuning = "dsplug.plugins.autotuning"``. Importing this package is cheap (no torch).
+:mod:`.plugin` (entry point ``autotuning``) registers it. Importing this package is cheap (no torch).
 """
-from dsplug import PluginSpec, hookimpl
-from dsplug.descriptors import ApiModule
-
-from .config import AutotuningConfig
-
-
-def build_observer(section, context):
-    from .observer import build_observer as build
-
-    return build(section, context)
-
-
-@hookimpl
-def dsplug_observers():
-    return [PluginSpec(category="observer", name="autotuning", section="autotuning", schema=AutotuningConfig,
-                       factory=build_observer,
-                       summary="autotuning experiments: measures latency / throughput / FLOPS between the profile "
-                               "steps (dsplug launch --autotuning tune|run)")]
-
-
-@hookimpl
-def dsplug_api_modules():
-    return [ApiModule("dsplug.autotuning", "dsplug.plugins.autotuning.api")]
-
-
-@hookimpl
-def dsplug_launch_override(args, resources):
-    """``dsplug launch --autotuning tune|run``: tune (and then train) instead of one launch."""
-    if not getattr(args, "autotuning", ""):
-        return None
-    from .autotuner import run_autotuning
-
-    return run_autotuning(args, resources)

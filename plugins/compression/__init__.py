@@ -1,7 +1,7 @@
 """Compression-method plugins: the seven entries of ``compression_training``.
 
-Each method registers on its own (an entry point per method, all in :mod:`.plugins`, which imports
-no torch) and is selected by its key:
+Each method is a spec of its own, registered by :mod:`.plugin` (which imports no torch), and is
+selected by its key:
 
 * :mod:`.layer_reduction` -- ``layer_reduction``: a shallower student from chosen teacher layers
 * :mod:`.weight_quantization` -- ``weight_quantization``: quantization-aware training of weights
@@ -16,11 +16,3 @@ patterns), :mod:`.method` and :mod:`.pruning` (schedules, state), :mod:`.masks`
 removal), :mod:`.api` (``init_compression`` / ``redundancy_clean``, DeepSpeed's
 ``deepspeed.compression.compress``).
 """
-from dsplug import hookimpl
-from dsplug.descriptors import ApiModule
-
-
-@hookimpl
-def dsplug_api_modules():
-    return [ApiModule("dsplug.compression", "dsplug.plugins.compression.api"),
-            ApiModule("dsplug.compression.compress", "dsplug.plugins.compression.api")]

@@ -14,14 +14,14 @@ function the model computes).
 from __future__ import annotations
 
 from .config import ActivationQuantizationConfig
-from .method import ScheduledMethod, Target
+from .method import ScheduledMethod, CompressionTarget
 
 
 class ActivationQuantization(ScheduledMethod):
     kind = "activation_quantization"
     clean_order = 0
 
-    def attach(self, target: Target) -> None:
+    def attach(self, target: CompressionTarget) -> None:
         shared = self.shared
         target.layer.add_activation_quant(target.group.params.bits, shared.quantization_type == "symmetric",
                                           shared.range_calibration == "dynamic")

@@ -16,7 +16,7 @@ from torch import nn
 from . import shrink
 from .config import HeadPruningConfig
 from .layers import CompressedLayer
-from .method import Target
+from .method import CompressionTarget
 from .pruning import MaskPruning, carry_state
 from .selection import CompressionConfigError
 
@@ -32,7 +32,7 @@ class HeadPruning(MaskPruning):
     def num_heads(self) -> int:
         return self.shared.num_heads
 
-    def attach(self, target: Target) -> None:
+    def attach(self, target: CompressionTarget) -> None:
         width = target.layer.in_features
         if width % self.num_heads():
             raise CompressionConfigError(
@@ -40,7 +40,7 @@ class HeadPruning(MaskPruning):
                 f"{width} input features of {target.name!r} (head pruning applies to attention output projections)")
         super().attach(target)
 
-    def remove_pruned(self, model: nn.Module, target: Target, layer: CompressedLayer, mask) -> None:
+    def remove_pruned(self, model: nn.Module, target: CompressionTarget, layer: CompressedLayer, mask) -> None:
         heads = self.num_heads()
         head_dim = layer.in_features // heads
         smaller = shrink.shrink_linear_heads_in(layer, mask, head_dim)
@@ -59,7 +59,7 @@ class HeadPruning(MaskPruning):
         self.update_head_counts(model, target, heads, kept, head_dim)
 
     @staticmethod
-    def update_head_counts(model: nn.Module, target: Target, heads: int, kept: int, head_dim: int) -> None:
+    def update_head_counts(model: nn.Module, target: CompressionTarget, heads: int, kept: int, head_dim: int) -> None:
         """The attention module reshapes to ``kept`` heads: the parents of the q/k/v projections
         (BERT's ``attention.self``) when they carry a head count, else the output projection's
         nearest ancestor that does (the built-in LM's ``attn``)."""

@@ -28,7 +28,7 @@ from .layers import CompressedLayer, compressed
 METHODS_ATTRIBUTE = "_dsplug_compression_methods"
 
 
-class Target:
+class CompressionTarget:
     """One selected layer of one group: its name, layer, group settings and related modules."""
 
     def __init__(self, name: str, layer: CompressedLayer, group_name: str, group: Any, related: List[str]):
@@ -86,7 +86,7 @@ class ScheduledMethod(CompressionMethod):
         self.name = self.kind
         self.step = 0
         self.model: Optional[nn.Module] = None
-        self.targets: List[Target] = []
+        self.targets: List[CompressionTarget] = []
 
     @property
     def shared(self):
@@ -132,7 +132,7 @@ class ScheduledMethod(CompressionMethod):
                                                       len(group.modules), f"{gpath}.related_modules")
                 related = [n for n, _ in selection.related(model, name, patterns, f"{gpath}.related_modules")]
                 layer = compressed(module)
-                target = Target(name, layer, group_name, group, related)
+                target = CompressionTarget(name, layer, group_name, group, related)
                 try:
                     self.attach(target)
                 except selection.CompressionConfigError as exc:
@@ -158,7 +158,7 @@ class ScheduledMethod(CompressionMethod):
 
     # -- for the methods
     @abc.abstractmethod
-    def attach(self, target: Target) -> None:
+    def attach(self, target: CompressionTarget) -> None:
         """Give ``target.layer`` this method's part (a mask, a quantizer)."""
 
     @abc.abstractmethod

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import shrink
 from .layers import CompressedLayer, Pruning, compressed
-from .method import ScheduledMethod, Target
+from .method import ScheduledMethod, CompressionTarget
 from .selection import CompressionConfigError
 
 
@@ -31,7 +31,7 @@ class MaskPruning(ScheduledMethod):
     def num_heads(self) -> int:
         return 0
 
-    def attach(self, target: Target) -> None:
+    def attach(self, target: CompressionTarget) -> None:
         target.layer.add_pruning(self.kind, self.shared.method, target.group.params.dense_ratio, self.num_heads())
 
     def apply_schedule(self, step: int, starting: bool = False, resumed: bool = False) -> None:
@@ -73,7 +73,8 @@ class MaskPruning(ScheduledMethod):
                 drop_pruning(model.get_submodule(target.name), self.kind)
         return model
 
-    def remove_pruned(self, model: nn.Module, target: Target, layer: CompressedLayer, mask: torch.Tensor) -> None:
+    def remove_pruned(self, model: nn.Module, target: CompressionTarget, layer: CompressedLayer,
+                      mask: torch.Tensor) -> None:
         """Rows / channels: the layer loses its pruned outputs, each related module the same inputs."""
         keep = shrink.keep_indices(mask)
         smaller = (shrink.shrink_conv_out if isinstance(layer, nn.Conv2d) else shrink.shrink_linear_out)(layer, keep)

@@ -21,7 +21,7 @@ import torch
 
 from . import masks as mask_ops
 from .config import PruningGroup, PruningParams, SparsePruningConfig
-from .method import Target, gathered
+from .method import CompressionTarget, gathered
 from .pruning import MaskPruning, drop_pruning
 
 #: momentum of the snip_momentum scores
@@ -49,7 +49,7 @@ class SparsePruning(MaskPruning):
     def excluded(self):
         return list(self.shared.excluded_modules)
 
-    def attach(self, target: Target) -> None:
+    def attach(self, target: CompressionTarget) -> None:
         if not self.snip:
             return super().attach(target)
         mask_ops.block_mask({target.name: torch.zeros(target.layer.weight.shape)},

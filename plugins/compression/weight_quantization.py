@@ -25,7 +25,7 @@ import torch
 from dsplug.ops import quantize as quant_ops
 from .config import WeightQuantizationConfig
 from .layers import WeightQuant, check_same, make_plain
-from .method import ScheduledMethod, Target, gathered, is_partitioned
+from .method import ScheduledMethod, CompressionTarget, gathered, is_partitioned
 from .selection import CompressionConfigError
 
 
@@ -62,7 +62,7 @@ class WeightQuantization(ScheduledMethod):
                 f"not available here (see `dsplug report`); set it to false to use the torch implementation "
                 f"(same results)")
 
-    def attach(self, target: Target) -> None:
+    def attach(self, target: CompressionTarget) -> None:
         shared = self.shared
         weight = target.layer.weight
         numel = int(getattr(weight, "ds_numel", weight.numel()))  # ZeRO-3: the whole weight's

@@ -20,7 +20,7 @@ NEEDS = {
 
 
 @schema
-class CurriculumScheduleConfig:
+class LegacyCurriculumScheduleConfig:
     total_curriculum_step: Optional[int] = field(
         None, ge=1, doc="steps to go from min_difficulty to max_difficulty (fixed_linear, fixed_root)")
     difficulty_step: Optional[int] = field(
@@ -64,14 +64,14 @@ def _needs(values):
 
 
 @schema
-class CurriculumLearningConfig:
+class LegacyCurriculumConfig:
     enabled: bool = field(False, doc="change the difficulty (sequence length) with the global step")
     curriculum_type: Optional[str] = field(
         None, choices=("seqlen",), doc="'seqlen': the model's forward gets curriculum_seqlen=<difficulty>")
     min_difficulty: Optional[int] = field(None, ge=1, doc="difficulty at the start")
     max_difficulty: Optional[int] = field(None, ge=1, doc="final difficulty")
     schedule_type: Optional[str] = field(None, choices=SCHEDULE_TYPES, doc="the pacing function")
-    schedule_config: CurriculumScheduleConfig = field(factory=CurriculumScheduleConfig,
+    schedule_config: LegacyCurriculumScheduleConfig = field(factory=LegacyCurriculumScheduleConfig,
                                                       doc="the pacing function's parameters")
 
     __rules__ = (_needs,)

@@ -7,7 +7,8 @@
 * :mod:`.schedules` -- the difficulty / kept-token pacing functions;
 * :mod:`.random_ltd` -- random layerwise token dropping (``RandomLayerTokenDrop``,
   ``convert_to_random_ltd``, ``RandomLTDScheduler``);
-* :mod:`.plugin` -- the registration: config schema (:mod:`.config`), the engine observer, the
+* :mod:`.observer` -- the engine observer and the engine methods;
+* :mod:`.plugin` -- the registration: config schema (:mod:`.config`), the observer, the
   DeepSpeed import paths ``dsplug.runtime.data_pipeline.data_sampling.{data_analyzer,data_sampler}``
   and ``dsplug.runtime.data_pipeline.data_routing.{basic_layer,helper,scheduler}``.
 

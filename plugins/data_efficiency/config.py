@@ -223,3 +223,12 @@ def enabled_but_off(config: DataEfficiencyConfig) -> List[str]:
         if inner and not all(outer):
             out.append(path)
     return out
+
+
+def notice_enabled_but_off(config, report):
+    """A config rule: a notice for each ``enabled: true`` switched off by an enclosing ``enabled: false``."""
+    section = config.sections.get("data_efficiency")
+    if section is None:
+        return
+    for path in enabled_but_off(section):
+        report.notice(f"data_efficiency.{path}.enabled", "is true but an enclosing 'enabled' is false, so it is off")

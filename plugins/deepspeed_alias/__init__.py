@@ -19,8 +19,8 @@ Nothing of this exists until ``enable`` runs; ``disable`` removes exactly those 
 DeepSpeed in the environment is never touched: ``enable`` and ``disable`` refuse.
 
 The pieces: :mod:`.finder` (the import aliasing, imported by the shim), :mod:`.install` (what
-enable / disable / status do), :mod:`.launcher` (the ``deepspeed`` command), :mod:`.plugin` (the
-CLI command; entry point ``deepspeed-alias``).
+enable / disable / status do), :mod:`.launcher` (the ``deepspeed`` command), :mod:`.cli` (the
+``dsplug deepspeed-alias`` command), :mod:`.plugin` (registers it; entry point ``deepspeed-alias``).
 """
 
 #: The DeepSpeed API level dsplug implements: the public version of the ``deepspeed`` distribution

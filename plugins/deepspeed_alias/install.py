@@ -1,6 +1,6 @@
 """What ``dsplug deepspeed-alias enable | disable | status`` do to an environment's files.
 
-An environment is a :class:`Target`: the site-packages directory the files go into (``purelib``),
+An environment is an :class:`AliasTarget`: the site-packages directory the files go into (``purelib``),
 the scripts directory of the ``deepspeed`` command, and the directories searched for a real
 DeepSpeed. :func:`current_target` is the running interpreter's environment (``sysconfig``).
 
@@ -45,7 +45,7 @@ class AliasError(Exception):
 
 
 @dataclass(frozen=True)
-class Target:
+class AliasTarget:
     purelib: Path
     scripts: Path
     #: where a real DeepSpeed is looked for, besides purelib
@@ -54,19 +54,19 @@ class Target:
     search_sys_path: bool = True
 
 
-def current_target() -> Target:
+def current_target() -> AliasTarget:
     """The environment of ``sys.executable``: its site-packages (pure and platform) and scripts dir."""
     paths = sysconfig.get_paths()
     purelib = Path(paths["purelib"])
     platlib = paths.get("platlib")
     extra = (Path(platlib),) if platlib and Path(platlib) != purelib else ()
-    return Target(purelib=purelib, scripts=Path(paths["scripts"]), extra_dirs=extra)
+    return AliasTarget(purelib=purelib, scripts=Path(paths["scripts"]), extra_dirs=extra)
 
 
-def directory_target(directory) -> Target:
+def directory_target(directory) -> AliasTarget:
     """A plain directory used as site-packages (``pip install --target`` style), scripts in ``DIR/bin``."""
     d = Path(directory)
-    return Target(purelib=d, scripts=d / "bin", search_sys_path=False)
+    return AliasTarget(purelib=d, scripts=d / "bin", search_sys_path=False)
 
 
 def dsplug_version() -> str:
@@ -99,7 +99,7 @@ def _has_marker(path: Path) -> bool:
 
 @dataclass
 class State:
-    target: Target
+    target: AliasTarget
     #: our dist-info directories (normally one)
     dist_infos: List[Path] = field(default_factory=list)
     #: the version our dist-info reports (the first one)
@@ -155,7 +155,7 @@ def _same(a: Path, b: Path) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def inspect(target: Target) -> State:
+def inspect(target: AliasTarget) -> State:
     state = State(target=target)
     dirs = [target.purelib, *target.extra_dirs]
     for d in dirs:
@@ -228,7 +228,7 @@ def _real_on_sys_path(scanned: List[Path]) -> List[str]:
     return found
 
 
-def _default_files(info: Path, target: Target) -> List[Path]:
+def _default_files(info: Path, target: AliasTarget) -> List[Path]:
     """What an alias writes, for a dist-info whose RECORD is gone."""
     files = [p for p in info.iterdir()] if info.is_dir() else []
     return files + [target.purelib / PACKAGE / "__init__.py", target.scripts / SCRIPT] + [
@@ -339,7 +339,7 @@ def _refusal(state: State, action: str) -> str:
     return "\n".join(lines)
 
 
-def enable(target: Optional[Target] = None) -> List[str]:
+def enable(target: Optional[AliasTarget] = None) -> List[str]:
     """Write the shim, the dist-info and the ``deepspeed`` command; returns report lines.
 
     Idempotent: an existing alias (of any dsplug version) is replaced by the current one.
@@ -497,7 +497,7 @@ def _rmdir(path: Path) -> None:
         pass  # absent or not empty: not ours alone
 
 
-def disable(target: Optional[Target] = None) -> List[str]:
+def disable(target: Optional[AliasTarget] = None) -> List[str]:
     """Remove exactly what :func:`enable` wrote; a real DeepSpeed is left alone. Idempotent."""
     target = target or current_target()
     state = inspect(target)
@@ -516,7 +516,7 @@ def disable(target: Optional[Target] = None) -> List[str]:
     return lines
 
 
-def status(target: Optional[Target] = None) -> dict:
+def status(target: Optional[AliasTarget] = None) -> dict:
     target = target or current_target()
     state = inspect(target)
     return {

@@ -11,7 +11,8 @@ The pieces, each usable on its own:
 * :mod:`.torchrun`  -- runs ``torch.distributed.run`` and exits with the failed worker's own code.
 * :mod:`.shim`      -- the per-process wrapper that hands the script ``--local_rank=<n>``.
 * :mod:`.elastic`   -- ``--elastic_training``: each node's torchrun on a c10d rendezvous (``--nnodes MIN:MAX``).
-* :mod:`.plugin`    -- registers the ``dsplug launch`` command (entry point ``launcher``).
+* :mod:`.cli`       -- the ``dsplug launch`` command: its flags and what it runs.
+* :mod:`.plugin`    -- registers the command (entry point ``launcher``).
 
 The parsers and the planner are pure functions of their inputs so they are easy to test.
 """

@@ -8,147 +8,16 @@ the planner is imported when the command runs.
 """
 from __future__ import annotations
 
-import argparse
-
-from dsplug.cli.argtypes import positive_int
 from dsplug.descriptors import ApiModule, CliCommand
 from dsplug.hookspecs import hookimpl
 
-from .elastic import add_elastic_arguments
-
-HELP = "run a training script on local / remote processes (like the deepspeed launcher)"
-DESCRIPTION = """\
-``dsplug launch``: start a script on one or more nodes, DeepSpeed-launcher style.
-
-Same flags as the ``deepspeed`` launcher for what it supports; processes are started by
-``torch.distributed.run`` on each node (over ssh for several nodes).
-"""
-
-EPILOG = """\
-examples:
-  dsplug launch --num_gpus 2 train.py --deepspeed_config ds.json
-  dsplug launch --num_procs 4 train.py                       (CPU: 4 processes, gloo)
-  dsplug launch --hostfile hosts --include 'worker-0@worker-1:0,2' train.py
-  dsplug launch --hostfile hosts --num_nodes 2 --print_only train.py
-  dsplug launch --elastic_training --min_elastic_nodes 1 --max_elastic_nodes 4 --master_addr HOST train.py
-                                                             (elastic: run on each node; nodes may leave / join)
-
-hostfile lines: '<hostname> slots=<N>'; default hostfile: /job/hostfile (absent: this machine).
-"""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = EPILOG
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    count = p.add_mutually_exclusive_group()
-    count.add_argument("--num_gpus", "--num_accelerators", type=positive_int, default=None, metavar="N",
-                       help="processes per node, using devices 0..N-1 (on CPU: N processes)")
-    count.add_argument("--num_procs", type=positive_int, default=None, metavar="N",
-                       help="processes per node; the CPU spelling of --num_gpus")
-    p.add_argument("--num_nodes", type=positive_int, default=None, metavar="K",
-                   help="use the first K hosts of the hostfile")
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hostfile", default=None, metavar="FILE",
-                       help="hostfile ('<host> slots=<N>' lines); default /job/hostfile if it exists")
-    hosts.add_argument("--no_hostfile", action="store_true",
-                       help="this machine only, even when /job/hostfile exists (dsplug's)")
-    filt = p.add_mutually_exclusive_group()
-    filt.add_argument("-i", "--include", default="", metavar="SPEC",
-                      help="hosts/slots to use: HOST[:SLOT[,SLOT...]][@HOST...], e.g. 'worker-0@worker-1:0,2'")
-    filt.add_argument("-e", "--exclude", default="", metavar="SPEC",
-                      help="hosts/slots not to use, same syntax as --include")
-    p.add_argument("--master_addr", default=None, help="address of node 0 (default: 127.0.0.1 on one node, "
-                   "else the first host)")
-    p.add_argument("--master_port", type=int, default=None, help="rendezvous port (default 29500)")
-    p.add_argument("--no_local_rank", action="store_true",
-                   help="do not pass --local_rank=<n> to the script (LOCAL_RANK is always in its environment)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--module", action="store_true", help="run the target as a module, like 'python -m'")
-    mode.add_argument("--no_python", action="store_true", help="execute the target directly, without python")
-    p.add_argument("--force_multi", action="store_true",
-                   help="use ssh even for a single node (e.g. one remote host)")
-    p.add_argument("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
-    p.add_argument("--autotuning", default="", choices=["tune", "run"],
-                   help="tune the config's ZeRO stage and micro-batch size with real experiments first "
-                        "(docs/autotuning.md); 'run' then trains with the best config")
-    p.add_argument("--print_only", "--dry_run", dest="print_only", action="store_true",
-                   help="print the command for each node instead of running it")
-    add_elastic_arguments(p)
-    p.add_argument("user_script", metavar="script", help="the training script (or module / program)")
-    p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-
-
-def run(args) -> int:
-    import sys
-
-    from . import LaunchError, LaunchRequest, execute, plan_launch
-    from .elastic import elastic_plan
-    from .plan import DEFAULT_MASTER_PORT
-
-    procs_per_node = args.num_gpus if args.num_gpus is not None else args.num_procs
-    try:
-        request = LaunchRequest(
-            script=args.user_script,
-            script_args=tuple(args.user_args),
-            hostfile=args.hostfile,
-            include=args.include,
-            exclude=args.exclude,
-            num_nodes=args.num_nodes,
-            procs_per_node=procs_per_node,
-            master_addr=args.master_addr,
-            master_port=DEFAULT_MASTER_PORT if args.master_port is None else args.master_port,
-            local_rank_arg=not args.no_local_rank,
-            module=args.module,
-            no_python=args.no_python,
-            force_multi=args.force_multi,
-            ssh_port=args.ssh_port,
-            local_devices=lambda: max(1, int(_accelerator().device_count())),
-            visible_devices_env=lambda: getattr(_accelerator(), "visible_devices_env", None) or "CUDA_VISIBLE_DEVICES",
-            **({"default_hostfile": ""} if args.no_hostfile else {}),
-        )
-        plan = elastic_plan(plan_launch(request), request, args)
-    except LaunchError as exc:
-        print(f"dsplug launch: error: {exc}", file=sys.stderr)
-        return 2
-    overridden = _launch_override(args, plan.resources)
-    if overridden is not None:
-        return overridden
-    if args.print_only:
-        for node in plan.nodes:
-            print(node.display())
-        return 0
-    return execute(plan)
-
-
-def _launch_override(args, resources):
-    """The exit status of a plugin that runs this launch its own way (hook ``dsplug_launch_override``:
-    the autotuning plugin for ``--autotuning``), or None to launch as usual."""
-    import sys
-
-    from dsplug.registry import get_registry
-
-    status = get_registry().pm.hook.dsplug_launch_override(args=args, resources=resources)
-    if status is None and getattr(args, "autotuning", ""):
-        print(f"dsplug launch: error: --autotuning {args.autotuning} needs the autotuning plugin, which is not "
-              "installed or is blocked (DSPLUG_BLOCK_PLUGINS); `dsplug list` shows what is installed",
-              file=sys.stderr)
-        return 2
-    return status
-
-
-def _accelerator():
-    """This machine's accelerator; asked lazily because finding it imports torch (seconds)."""
-    from dsplug.accelerator import get_accelerator
-
-    return get_accelerator()
-
-
-COMMAND = CliCommand(name="launch", help=HELP, description=DESCRIPTION, add_arguments=add_arguments, run=run)
+from . import cli
 
 
 @hookimpl
 def dsplug_cli_commands():
-    return [COMMAND]
+    return [CliCommand(name="launch", help=cli.HELP, description=cli.DESCRIPTION,
+                       add_arguments=cli.add_arguments, run=cli.run)]
 
 
 @hookimpl

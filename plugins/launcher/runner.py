@@ -99,7 +99,7 @@ def parse_args(args: Optional[Sequence[str]] = None):
     """The ``dsplug launch`` arguments (DeepSpeed's launcher flags that dsplug supports)."""
     import argparse
 
-    from .plugin import add_arguments
+    from .cli import add_arguments
 
     parser = argparse.ArgumentParser(prog="dsplug launch", description="DeepSpeed-style launcher")
     add_arguments(parser)
@@ -108,7 +108,7 @@ def parse_args(args: Optional[Sequence[str]] = None):
 
 def main(args: Optional[Sequence[str]] = None) -> int:
     """``dsplug launch`` with ``args`` (the command line after the program name); the exit code."""
-    from .plugin import run
+    from .cli import run
 
     return run(parse_args(args))
 

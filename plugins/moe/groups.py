@@ -13,7 +13,7 @@ stages ask about.
   ``"ep_size_<E>"``. With ``use_data_before_expert_parallel_`` the roles swap: expert-data-parallel
   groups are the consecutive blocks of D/E ranks and expert-parallel groups are strided.
 
-The engine reaches the expert groups through the kernel's hooks only (:mod:`dsplug.plugins.moe`):
+The engine reaches the expert groups through the kernel's hooks only (:mod:`dsplug.plugins.moe.plugin`):
 ``dsplug_reduction_groups`` -> :func:`create_expert_groups`, ``dsplug_param_reduction`` ->
 :func:`reduction_of`.
 """

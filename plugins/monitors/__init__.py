@@ -9,4 +9,7 @@ Each factory returns ``None`` when its section is not enabled or on ranks other 
 rank 0 writes), else a :class:`~.events.MonitorObserver` (a :class:`dsplug.contracts.Monitor`
 with a background writer thread) whose lifecycle hooks write the tags
 DeepSpeed writes (``Train/Samples/train_loss``, ``Train/Samples/lr``, ...) keyed by samples seen.
+
+:mod:`.plugin` (entry point ``monitors``) registers all four; their section schemas are in
+:mod:`.config`.
 """

@@ -9,37 +9,12 @@ then whenever at least that many samples have passed since it was last logged.
 from __future__ import annotations
 
 import os
-import re
 from typing import Dict, List, Optional
 
-from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug import PluginSpec
 
+from .config import CometConfig
 from .events import Event, MonitorObserver, build_client_monitor
-
-MODES = ("get_or_create", "create", "get")
-
-
-def _experiment_key_ok(key) -> Optional[str]:
-    if key is not None and not re.fullmatch(r"[A-Za-z0-9]{32,50}", key):
-        return f"an experiment key must be 32 to 50 letters or digits (got {len(key)} characters)"
-    return None
-
-
-@schema
-class CometConfig:
-    enabled: bool = field(False, doc="log to Comet (needs the comet_ml package)")
-    samples_log_interval: int = field(
-        100, ge=0, doc="send a metric again only after this many more samples have been processed")
-    project: Optional[str] = field(None, doc="Comet project name (default: Comet's own, e.g. COMET_PROJECT_NAME)")
-    workspace: Optional[str] = field(None, doc="Comet workspace (default: the user's)")
-    api_key: Optional[str] = field(None, doc="Comet API key; better given as COMET_API_KEY than in a file")
-    experiment_name: Optional[str] = field(None, doc="display name of the experiment")
-    experiment_key: Optional[str] = field(
-        None, check=_experiment_key_ok, doc="key of the experiment: 32 to 50 letters or digits")
-    online: Optional[bool] = field(None, doc="false: store an offline experiment locally (Comet's default: true)")
-    mode: Optional[str] = field(None, choices=MODES, doc="get / create / get_or_create (Comet's default)")
-
 
 class SamplesLogInterval:
     """Decides per tag whether enough samples passed since it was last sent."""
@@ -115,8 +90,8 @@ def build(config: CometConfig, context) -> Optional[CometMonitor]:
     return build_client_monitor(config, context, "comet_ml", "comet", lambda comet_ml: CometMonitor(config, comet_ml))
 
 
-@hookimpl
-def dsplug_monitors():
+def specs():
+    """This monitor's spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="monitor",

@@ -14,20 +14,12 @@ import os
 import time
 from typing import Dict, List, Optional, Tuple
 
-from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug import PluginSpec
 
+from .config import CsvMonitorConfig
 from .events import Event, MonitorObserver, is_writer, resolve_log_dir
 
 FLUSH_INTERVAL_S = 1.0
-
-
-@schema
-class CsvMonitorConfig:
-    enabled: bool = field(False, doc="write one CSV file per metric")
-    output_path: Optional[str] = field(
-        "", doc="directory for the files; empty or null: the directory the training script was launched from")
-    job_name: str = field("DeepSpeedJobName", doc="name of this job: a new directory inside output_path")
 
 
 def csv_file_name(tag: str) -> str:
@@ -87,8 +79,8 @@ def build(config: CsvMonitorConfig, context) -> Optional[CsvMonitor]:
     return CsvMonitor(resolve_log_dir(config.output_path, config.job_name))
 
 
-@hookimpl
-def dsplug_monitors():
+def specs():
+    """This monitor's spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="monitor",

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
-from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug import PluginSpec
 
+from .config import TensorBoardConfig
 from .events import Event, MonitorObserver, build_client_monitor, resolve_log_dir
 
 #: seconds between the SummaryWriter's background flushes: a running TensorBoard sees new
@@ -19,14 +19,6 @@ FLUSH_SECS = 10
 #: events the SummaryWriter queues for its writer thread before a step has to wait. Its default
 #: (10) makes the training loop wait on the thread's pure-Python CRC work.
 MAX_QUEUE = 1000
-
-
-@schema
-class TensorBoardConfig:
-    enabled: bool = field(False, doc="write TensorBoard event files (needs the tensorboard package)")
-    output_path: Optional[str] = field(
-        "", doc="directory for the logs; empty or null: the directory the training script was launched from")
-    job_name: str = field("DeepSpeedJobName", doc="name of this job: a new directory inside output_path")
 
 
 class TensorBoardMonitor(MonitorObserver):
@@ -74,8 +66,8 @@ def build(config: TensorBoardConfig, context) -> Optional[TensorBoardMonitor]:
                                 lambda _: TensorBoardMonitor(resolve_log_dir(config.output_path, config.job_name)))
 
 
-@hookimpl
-def dsplug_monitors():
+def specs():
+    """This monitor's spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="monitor",

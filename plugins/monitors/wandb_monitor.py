@@ -11,18 +11,10 @@ import os
 
 from typing import Dict, List, Optional
 
-from dsplug import PluginSpec, hookimpl
-from dsplug.config.schema import field, schema
+from dsplug import PluginSpec
 
+from .config import WandbConfig
 from .events import Event, MonitorObserver, build_client_monitor
-
-
-@schema
-class WandbConfig:
-    enabled: bool = field(False, doc="log to Weights & Biases (needs the wandb package)")
-    group: Optional[str] = field(None, doc="W&B group: runs of one group are shown together")
-    team: Optional[str] = field(None, doc="W&B team (entity) owning the project")
-    project: str = field("deepspeed", doc="W&B project name")
 
 
 def _quiet_settings(wandb_module) -> dict:
@@ -69,8 +61,8 @@ def build(config: WandbConfig, context) -> Optional[WandbMonitor]:
     return build_client_monitor(config, context, "wandb", "wandb", lambda wandb: WandbMonitor(config, wandb))
 
 
-@hookimpl
-def dsplug_monitors():
+def specs():
+    """This monitor's spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="monitor",

@@ -1,6 +1,7 @@
 """Built-in optimizer plugins (category ``optimizer``, selected by ``optimizer.type``).
 
-Plugin modules (each named by its own entry point, cheap to import, torch imported in factories):
+Feature modules (cheap to import, torch imported in factories), registered together by :mod:`.plugin`
+(entry point ``optimizers``):
 
 * :mod:`.adam`        — ``Adam`` / ``AdamW`` (DeepSpeed FusedAdam semantics, ``torch_adam``,
   ``adam_w_mode``), implemented by :class:`.adam_optimizer.FusedAdam`;

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.params import options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
@@ -31,8 +31,8 @@ def adagrad_factory(params, config, context=None):
     return call_torch_optimizer(torch.optim.Adagrad, params, options_of(config, "Adagrad"), "Adagrad")
 
 
-@hookimpl
-def dsplug_optimizers():
+def specs():
+    """The Adagrad optimizer spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="optimizer",

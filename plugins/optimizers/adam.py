@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from dsplug import PluginSpec, hookimpl
-from dsplug.descriptors import ApiModule
+from dsplug import PluginSpec
 from dsplug.config.params import betas_check, cross_checks, given, options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
@@ -109,8 +108,8 @@ def adamw_factory(params, config, context=None):
     return build_adam(params, options_of(config, "AdamW"), "AdamW", decoupled=True)
 
 
-@hookimpl
-def dsplug_optimizers():
+def specs():
+    """The Adam and AdamW optimizer specs (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="optimizer",
@@ -129,9 +128,3 @@ def dsplug_optimizers():
             summary="AdamW (decoupled weight decay), DeepSpeed FusedAdam semantics (torch_adam)",
         ),
     ]
-
-
-@hookimpl
-def dsplug_api_modules():
-    # DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` is this plugin's optimizer class
-    return [ApiModule("dsplug.ops.adam", "dsplug.plugins.optimizers.adam_optimizer")]

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from dsplug import PluginSpec, hookimpl
-from dsplug.descriptors import ApiModule
+from dsplug import PluginSpec
 from dsplug.config.params import betas_check, cross_checks, given, options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
@@ -48,8 +47,8 @@ def lamb_factory(params, config, context=None):
     return FusedLamb(params, **options_of(config, "Lamb"))
 
 
-@hookimpl
-def dsplug_optimizers():
+def specs():
+    """The Lamb optimizer spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="optimizer",
@@ -59,9 +58,3 @@ def dsplug_optimizers():
             summary="LAMB (layer-wise trust ratio), DeepSpeed FusedLamb semantics",
         )
     ]
-
-
-@hookimpl
-def dsplug_api_modules():
-    # DeepSpeed's ``deepspeed.ops.lamb.FusedLamb`` is this plugin's optimizer class
-    return [ApiModule("dsplug.ops.lamb", "dsplug.plugins.optimizers.lamb_optimizer")]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.params import cross_checks, given, options_of
 from dsplug.config.schema import MAX_LR, field, schema
 
@@ -45,8 +45,8 @@ def sgd_factory(params, config, context=None):
     return call_torch_optimizer(torch.optim.SGD, params, options_of(config, "SGD"), "SGD")
 
 
-@hookimpl
-def dsplug_optimizers():
+def specs():
+    """The SGD optimizer spec (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="optimizer",

@@ -14,7 +14,7 @@ import ast
 import functools
 from typing import Any, List, Optional, Tuple, Union
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.params import options_of, selected_optimizer_type
 from dsplug.config.schema import field, schema
 
@@ -190,7 +190,3 @@ def _specs() -> Tuple[PluginSpec, ...]:
         )
     return tuple(specs)
 
-
-@hookimpl
-def dsplug_optimizers():
-    return torch_optimizer_specs()

@@ -1,1 +1,1 @@
-"""Precision plugins (fp32, fp16, bf16, amp) and the loss scaler they share."""
+"""Precision plugins (fp32, fp16, bf16, amp; registered by :mod:`.plugin`) and the loss scalers they share."""

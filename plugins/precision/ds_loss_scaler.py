@@ -13,8 +13,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from .loss_scaler import DynamicLossScaler as _Dynamic
-from .loss_scaler import StaticLossScaler as _Static
+from .loss_scaler import DynamicScaler as _Dynamic
+from .loss_scaler import StaticScaler as _Static
 
 INITIAL_LOSS_SCALE = "init_scale"
 SCALE_WINDOW = "scale_window"

@@ -9,7 +9,9 @@ every iteration without overflow instead of only when the scale grows.
 from __future__ import annotations
 
 
-class StaticLossScaler:
+class StaticScaler:
+    """A fixed loss scale (``fp16.loss_scale`` > 0, or amp with a number)."""
+
     dynamic = False
 
     def __init__(self, scale: float):
@@ -25,7 +27,9 @@ class StaticLossScaler:
         self.scale = float(state["scale"])
 
 
-class DynamicLossScaler:
+class DynamicScaler:
+    """The dynamic loss scale described above (DeepSpeed's API names over it: :mod:`.ds_loss_scaler`)."""
+
     dynamic = True
 
     def __init__(self, initial_scale_power: int = 16, scale_window: int = 1000, hysteresis: int = 2,

@@ -10,21 +10,7 @@ OneCycle, 1Cycle   :mod:`.one_cycle`                       one lr/momentum cycle
 LRRangeTest        :mod:`.lr_range_test`                   linear or staircase lr growth
 =================  ======================================  =================================
 
-Each module registers through its own entry point and states its formulas in its docstring.
-This package (entry point ``schedulers``) declares DeepSpeed's import path
+Each module states its formulas in its docstring and builds its specs; :mod:`.plugin` (entry point
+``schedulers``) registers them all and declares DeepSpeed's import path
 ``dsplug.runtime.lr_schedules``, provided by :mod:`.lr_schedules`.
 """
-from dsplug.descriptors import ApiModule
-from dsplug.hookspecs import hookimpl
-
-from .lr_range_test import LRRangeTest
-from .one_cycle import OneCycle
-from .warmup import WarmupDecayLR, WarmupLR
-from .warmup_cosine import WarmupCosineLR
-
-__all__ = ["LRRangeTest", "OneCycle", "WarmupDecayLR", "WarmupLR", "WarmupCosineLR"]
-
-
-@hookimpl
-def dsplug_api_modules():
-    return [ApiModule("dsplug.runtime.lr_schedules", f"{__name__}.lr_schedules")]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import List, Union
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.schema import MAX_LR, field, schema
 
 from ._common import LRSchedule, build, non_negative, non_negative_number, per_group, whole_steps
@@ -68,8 +68,8 @@ def build_lr_range_test(optimizer, config, context=None) -> LRRangeTest:
     return build(LRRangeTest, LRRangeTestParams, optimizer, config)
 
 
-@hookimpl
-def dsplug_schedulers():
+def specs():
+    """This module's scheduler specs (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="scheduler",

@@ -1,7 +1,7 @@
 """DeepSpeed's ``deepspeed.runtime.lr_schedules`` module: the built-in schedules and their names.
 
-``dsplug.runtime.lr_schedules`` forwards here (declared by the package's ``dsplug_api_modules``
-hook, see :mod:`dsplug.plugins.schedulers`), so ``from deepspeed.runtime.lr_schedules import
+``dsplug.runtime.lr_schedules`` forwards here (declared by the ``dsplug_api_modules``
+hook of :mod:`dsplug.plugins.schedulers.plugin`), so ``from deepspeed.runtime.lr_schedules import
 WarmupLR`` keeps working as ``from dsplug.runtime.lr_schedules import WarmupLR``.
 :data:`VALID_LR_SCHEDULES` lists the ``scheduler.type`` names, DeepSpeed's constants name the
 ``scheduler.params`` keys; ``add_tuning_arguments`` adds DeepSpeed's convergence-tuning flags

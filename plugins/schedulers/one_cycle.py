@@ -41,7 +41,7 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional, Union
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.schema import MAX_LR, field, schema
 
 from ._common import (
@@ -211,8 +211,8 @@ def build_one_cycle(optimizer, config, context=None) -> OneCycle:
     return build(OneCycle, OneCycleParams, optimizer, config)
 
 
-@hookimpl
-def dsplug_schedulers():
+def specs():
+    """This module's scheduler specs (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="scheduler",

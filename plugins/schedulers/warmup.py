@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import List, Union
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.schema import MAX_LR, field, schema
 
 from ._common import (
@@ -148,8 +148,8 @@ def build_warmup_decay_lr(optimizer, config, context=None) -> WarmupDecayLR:
     return build(WarmupDecayLR, WarmupDecayLRParams, optimizer, config)
 
 
-@hookimpl
-def dsplug_schedulers():
+def specs():
+    """This module's scheduler specs (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="scheduler",

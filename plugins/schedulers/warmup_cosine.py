@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List
 
-from dsplug import PluginSpec, hookimpl
+from dsplug import PluginSpec
 from dsplug.config.schema import field, schema
 
 from ._common import (
@@ -117,8 +117,8 @@ def build_warmup_cosine_lr(optimizer, config, context=None) -> WarmupCosineLR:
     return build(WarmupCosineLR, WarmupCosineLRParams, optimizer, config)
 
 
-@hookimpl
-def dsplug_schedulers():
+def specs():
+    """This module's scheduler specs (registered by :mod:`.plugin`)."""
     return [
         PluginSpec(
             category="scheduler",

@@ -4,6 +4,6 @@ The built-in job behind the first command of the README: a decoder-only transfor
 (:mod:`.model`) learns the shipped corpus (:mod:`.data`) through ``dsplug.initialize`` with a
 DeepSpeed-format config (``default_config.json`` unless one is given), on one process or on
 ``--nproc N`` processes started through the dsplug launcher. :mod:`.loop` is the job itself;
-``python -m dsplug.plugins.train`` is what each launched worker runs. :mod:`.plugin` registers
-the ``dsplug train`` command (entry point ``train``).
+``python -m dsplug.plugins.train`` is what each launched worker runs. :mod:`.cli` is the
+``dsplug train`` command, registered by :mod:`.plugin` (entry point ``train``).
 """

@@ -38,7 +38,7 @@ class TrainError(Exception):
 
 
 @dataclass
-class Settings:
+class TrainJobSettings:
     output_dir: str
     steps: int
     model: Dict[str, int]  # seq_len, d_model, n_layers, n_heads
@@ -134,7 +134,7 @@ def read_saved_run(checkpoint_dir: str) -> Optional[Tuple[str, Dict[str, Any]]]:
     return tag, stored
 
 
-def resolve_settings(args, launched_worker: bool = False) -> Settings:
+def resolve_settings(args, launched_worker: bool = False) -> TrainJobSettings:
     if args.output_dir is not None:
         output_dir = os.path.abspath(args.output_dir)
     elif launched_worker:
@@ -170,7 +170,7 @@ def resolve_settings(args, launched_worker: bool = False) -> Settings:
     if saved is not None and text is None:
         text = stored.get("text_path")
     steps = args.steps or (int(stored["steps"]) if saved else DEFAULT_STEPS)
-    return Settings(output_dir=output_dir, steps=steps, model=model, text=text,
+    return TrainJobSettings(output_dir=output_dir, steps=steps, model=model, text=text,
                     vocab=stored.get("vocab") if saved else None, resume_tag=saved[0] if saved else None)
 
 
@@ -178,7 +178,7 @@ class ConfigProblem(Exception):
     """The config cannot be used; ``str()`` is the whole listing to print."""
 
 
-def checked_config(path: Optional[str], settings: Settings, seed: Optional[int],
+def checked_config(path: Optional[str], settings: TrainJobSettings, seed: Optional[int],
                    world_size: int) -> Tuple[Dict[str, Any], str, List[str]]:
     """The job's config dict, validated against ``world_size`` (every error listed)."""
     from dsplug.config import ConfigError, DsplugConfig
@@ -200,7 +200,7 @@ def checked_config(path: Optional[str], settings: Settings, seed: Optional[int],
 
 
 # ------------------------------------------------------------------------------ training
-def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: List[str], args,
+def train(settings: TrainJobSettings, raw_config: Dict[str, Any], where: str, notes: List[str], args,
           started: float) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = _printer(rank)
@@ -211,7 +211,7 @@ def train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: Lis
         interrupt.uninstall()
 
 
-def _train(settings: Settings, raw_config: Dict[str, Any], where: str, notes: List[str], args, started: float,
+def _train(settings: TrainJobSettings, raw_config: Dict[str, Any], where: str, notes: List[str], args, started: float,
            rank: int, say, interrupt: Interrupt) -> int:
     import torch  # imported already: main() said so
 

@@ -141,9 +141,9 @@ def test_fp16_overflow_skips_step_lowers_scale_and_is_logged(caplog):
 
 
 def test_dynamic_scale_grows_after_window():
-    from dsplug.plugins.precision.loss_scaler import DynamicLossScaler
+    from dsplug.plugins.precision.loss_scaler import DynamicScaler
 
-    s = DynamicLossScaler(initial_scale_power=4, scale_window=3, hysteresis=1, min_scale=2.0)
+    s = DynamicScaler(initial_scale_power=4, scale_window=3, hysteresis=1, min_scale=2.0)
     seen = []
     for overflow in [False, False, False, True, False, False, False, True, True, True]:
         s.update(overflow)
@@ -153,10 +153,10 @@ def test_dynamic_scale_grows_after_window():
 
 
 def test_consecutive_hysteresis_refills_on_each_good_step():
-    from dsplug.plugins.precision.loss_scaler import DynamicLossScaler
+    from dsplug.plugins.precision.loss_scaler import DynamicScaler
 
-    plain = DynamicLossScaler(initial_scale_power=4, scale_window=100, hysteresis=2)
-    refill = DynamicLossScaler(initial_scale_power=4, scale_window=100, hysteresis=2, consecutive_hysteresis=True)
+    plain = DynamicScaler(initial_scale_power=4, scale_window=100, hysteresis=2)
+    refill = DynamicScaler(initial_scale_power=4, scale_window=100, hysteresis=2, consecutive_hysteresis=True)
     for s in (plain, refill):
         for overflow in [False, True, False, True]:
             s.update(overflow)
@@ -326,9 +326,9 @@ def test_bf16_check_grad_overflow_skips_non_finite_steps():
 
 
 def test_amp_dynamic_scale_is_capped_by_max_loss_scale():
-    from dsplug.plugins.precision.loss_scaler import DynamicLossScaler
+    from dsplug.plugins.precision.loss_scaler import DynamicScaler
 
-    s = DynamicLossScaler(initial_scale_power=3, scale_window=1, max_scale=32.0)
+    s = DynamicScaler(initial_scale_power=3, scale_window=1, max_scale=32.0)
     for _ in range(5):
         s.update(False)
     assert s.scale == 32.0

@@ -37,7 +37,7 @@ def test_builtins_register_through_entry_points(clean_env):
     registry = Registry()
     cpu = registry.get("accelerator", "cpu")
     assert cpu.distribution == "dsplug"
-    assert cpu.entry_point == "accelerator-cpu"
+    assert cpu.entry_point == "accelerators"
     assert registry.find("section", "zero_optimization").distribution == "dsplug"
 
 

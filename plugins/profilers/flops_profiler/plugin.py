@@ -11,43 +11,20 @@ from dsplug.descriptors import ApiModule, PluginSpec
 from dsplug.hookspecs import hookimpl
 
 from .config import FlopsProfilerConfig
-
-
-def build_observer(config, context):
-    """``factory(config, context)``: an observer profiling one step, or None when not enabled."""
-    from dsplug.config.schema import parse
-
-    if config is None:
-        return None
-    if isinstance(config, dict):
-        config = parse(FlopsProfilerConfig, config, "flops_profiler")
-    if not config.enabled:
-        return None
-    from .observer import FlopsProfilerObserver
-
-    return FlopsProfilerObserver(config, context)
-
-
-def deepspeed_config(config):
-    """DeepSpeed's ``DeepSpeedConfig`` attribute of the section: ``flops_profiler_config`` (the
-    parsed section, its defaults when absent)."""
-    return {"flops_profiler_config": config.section("flops_profiler")}
-
-
-SPEC = PluginSpec(
-    category="observer",
-    name="flops_profiler",
-    section="flops_profiler",
-    schema=FlopsProfilerConfig,
-    factory=build_observer,
-    deepspeed_config=deepspeed_config,
-    summary="per-module params, MACs, FLOPs and latency of one training step",
-)
+from .factories import build_observer, deepspeed_config
 
 
 @hookimpl
 def dsplug_observers():
-    return [SPEC]
+    return [PluginSpec(
+        category="observer",
+        name="flops_profiler",
+        section="flops_profiler",
+        schema=FlopsProfilerConfig,
+        factory=build_observer,
+        deepspeed_config=deepspeed_config,
+        summary="per-module params, MACs, FLOPs and latency of one training step",
+    )]
 
 
 @hookimpl

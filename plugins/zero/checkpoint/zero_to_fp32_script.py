@@ -26,13 +26,13 @@ import torch
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
-class _Record:
+class _LoadedRecord:
     def __init__(self, *args, **state):
         self.__dict__.update(state)
 
 
 def _record(module, name):
-    return type(name, (_Record,), {"__module__": module, "__qualname__": name})
+    return type(name, (_LoadedRecord,), {"__module__": module, "__qualname__": name})
 
 
 def _int(value):

@@ -6,7 +6,7 @@ from dsplug import PluginSpec, hookimpl
 from .traits import TRAITS
 
 
-def build_stage0(module, param_groups, build_optimizer, precision, zero_config, context):
+def _build_stage0(module, param_groups, build_optimizer, precision, zero_config, context):
     from ..partitioning.checks import refuse_partitioned_params
     from .stage import DataParallelStage
 
@@ -18,6 +18,6 @@ def build_stage0(module, param_groups, build_optimizer, precision, zero_config, 
 @hookimpl
 def dsplug_zero_stages():
     return [
-        PluginSpec(category="zero_stage", name="0", factory=build_stage0, traits=TRAITS,
+        PluginSpec(category="zero_stage", name="0", factory=_build_stage0, traits=TRAITS,
                    summary="plain data parallel: all-reduce of gradients overlapped with backward"),
     ]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
 
-from .traits import STAGE1_TRAITS, STAGE2_TRAITS
+from .traits import STAGE1_TRAITS, STAGE2_TRAITS, stage12_not_implemented
 
 
 def _build(stage: int):
@@ -51,16 +51,6 @@ def _build(stage: int):
 
     factory.__name__ = f"build_stage{stage}"
     return factory
-
-
-def stage12_not_implemented(config, report) -> None:
-    """Refuse, at config time, what stages 1/2 do not implement."""
-    zero = config.sections.get("zero_optimization")
-    if zero is None or str(zero.stage) not in ("1", "2"):
-        return
-    if zero.legacy_stage1:
-        report.error("zero_optimization.legacy_stage1", "DeepSpeed's legacy stage 1 is not available in dsplug; "
-                     "remove the key (stage 1 here is the current implementation)")
 
 
 @hookimpl

@@ -9,7 +9,7 @@ from dsplug.descriptors import ApiModule
 from .traits import TRAITS
 
 
-def build_stage3(module, param_groups, build_optimizer, precision, zero_config, context):
+def _build_stage3(module, param_groups, build_optimizer, precision, zero_config, context):
     from .stage import PartitionedParamStage
 
     return PartitionedParamStage(module, param_groups, build_optimizer, precision, zero_config, context)
@@ -18,7 +18,7 @@ def build_stage3(module, param_groups, build_optimizer, precision, zero_config, 
 @hookimpl
 def dsplug_zero_stages():
     return [
-        PluginSpec(category="zero_stage", name="3", factory=build_stage3, traits=TRAITS,
+        PluginSpec(category="zero_stage", name="3", factory=_build_stage3, traits=TRAITS,
                    summary="parameters, gradients and optimizer states partitioned; modules gather their "
                            "parameters just before use"),
     ]

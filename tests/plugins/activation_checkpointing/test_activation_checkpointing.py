@@ -38,7 +38,7 @@ MODES = {
 
 
 def _fresh():
-    impl._apply(impl.Settings(), None)
+    impl._apply(impl.CheckpointingSettings(), None)
     impl._configured = False
     impl.collect_profile()
     impl.get_cuda_rng_tracker().reset()
@@ -337,17 +337,17 @@ def test_configure_from_deepspeed_config_dict_path_and_text(tmp_path):
     config = {"train_batch_size": 8, "activation_checkpointing": section}
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    want = impl.Settings(True, True, 4, True, True, True)
+    want = impl.CheckpointingSettings(True, True, 4, True, True, True)
     assert not ck.is_configured()
     for source in (config, str(path), json.dumps(config), dsplug.DeepSpeedConfig(config)):
         ck.configure(None, deepspeed_config=source)
         assert ck.is_configured() and ck.settings() == want
     # explicit arguments override the config
     ck.configure(None, deepspeed_config=config, contiguous_checkpointing=False, checkpoint_in_cpu=False, profile=False)
-    assert ck.settings() == impl.Settings(True, False, 4, False, True, False)
+    assert ck.settings() == impl.CheckpointingSettings(True, False, 4, False, True, False)
     # absent keys: DeepSpeed's defaults
     ck.configure(None, deepspeed_config={"train_batch_size": 8})
-    assert ck.settings() == impl.Settings()
+    assert ck.settings() == impl.CheckpointingSettings()
     with pytest.raises(ValueError, match="partition_activations"):
         ck.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
     with pytest.raises(ValueError, match="num_checkpoints"):
@@ -449,7 +449,7 @@ def test_engine_configures_from_the_section_and_trains_the_builtin_lm_exactly(ca
     reference = _train_lm({}, wrap=False)
     with caplog.at_level(logging.INFO):
         got = _train_lm({"activation_checkpointing": section}, wrap=True)
-    assert ck.is_configured() and ck.settings() == impl.Settings(True, True, 2, True, False, True)
+    assert ck.is_configured() and ck.settings() == impl.CheckpointingSettings(True, True, 2, True, False, True)
     assert got[0] == reference[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], reference[1]))
     # profile: the monitors get the step's timings, the log a per-function line

@@ -19,7 +19,7 @@ from dsplug.config import ConfigError, DsplugConfig
 from dsplug.config.schema import describe, parse
 from dsplug.plugins.comms_logger.config import DSPLUG_OPS, CommsLoggerConfig, selected_ops
 from dsplug.plugins.comms_logger.logger import CommsLogger, bandwidths, format_size
-from dsplug.plugins.comms_logger.plugin import CommsLoggerObserver, build_observer
+from dsplug.plugins.comms_logger.observer import CommsLoggerObserver, build_observer
 
 from tests.dist_harness import run_distributed
 from tests.engine_common import batch, loss_fn, make_model

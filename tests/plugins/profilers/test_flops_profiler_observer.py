@@ -18,7 +18,7 @@ from dsplug.context import BuildContext
 from dsplug.hookspecs import PROJECT, LifecycleSpecs
 from dsplug.plugins.profilers.flops_profiler.config import FlopsProfilerConfig
 from dsplug.plugins.profilers.flops_profiler.patching import installed_patch
-from dsplug.plugins.profilers.flops_profiler.plugin import build_observer
+from dsplug.plugins.profilers.flops_profiler.factories import build_observer
 from dsplug.registry import get_registry
 
 BATCH, DIN, HIDDEN = 4, 6, 10

@@ -1,11 +1,9 @@
-"""The precision plugins: fp32 (default), fp16, bf16 and amp, each owning its config section."""
+"""The precision sections' schemas (``fp16``, ``bf16``, ``amp``), the rule allowing one mode at a
+time, and the ``DeepSpeedConfig`` attributes DeepSpeed derives from them."""
 from __future__ import annotations
-
-import math
 
 from typing import Optional, Union
 
-from dsplug import PluginSpec, hookimpl
 from dsplug.config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, field, schema
 from dsplug.contracts.zero_stage import selected_traits
 
@@ -73,85 +71,6 @@ class AmpConfig:
     verbosity: int = field(1, ge=0, inert='an Apex option; dsplug amp is torch.autocast')
 
 
-def _grad_accum_dtype(context, default):
-    from .policy import dtype_from_name
-
-    name = None
-    if context is not None and context.config is not None:
-        name = context.config.data_types.grad_accum_dtype
-    return dtype_from_name(name) if name else default
-
-
-def build_fp32(config, context):
-    import torch
-
-    from .policy import PrecisionPolicy
-
-    return PrecisionPolicy("fp32", torch.float32, grad_accum_dtype=_grad_accum_dtype(context, torch.float32))
-
-
-def build_fp16(config: Fp16Config, context):
-    import torch
-
-    from .loss_scaler import DynamicLossScaler, StaticLossScaler
-    from .policy import PrecisionPolicy
-
-    if config.loss_scale == 0:
-        scaler = DynamicLossScaler(config.initial_scale_power, config.loss_scale_window, config.hysteresis,
-                                   config.consecutive_hysteresis, config.min_loss_scale)
-    else:
-        scaler = StaticLossScaler(config.loss_scale)
-    return PrecisionPolicy("fp16", torch.float16, master_weights=True,
-                           grad_accum_dtype=_grad_accum_dtype(context, torch.float16), loss_scaler=scaler)
-
-
-def _zero_stage(context) -> int:
-    zero = context.config.sections.get("zero_optimization") if context is not None and context.config is not None \
-        else None
-    try:
-        return int(getattr(zero, "stage", 0) or 0)
-    except (TypeError, ValueError):  # "auto" not resolved (config check): the default stage
-        return 0
-
-
-def build_bf16(config: Bf16Config, context):
-    import torch
-
-    from .policy import PrecisionPolicy
-
-    # Where micro-step gradients accumulate when data_types.grad_accum_dtype is not given, as in
-    # DeepSpeed: under ZeRO (stages 1-3) in bf16, the model's dtype (its documented default; the sum
-    # of the micro-steps' bf16 gradients is rounded to bf16 after each one, which shows in the
-    # gradient norm: 4.004456 vs 4.005630 summed in fp32, tests/plugins/precision); without ZeRO in
-    # fp32 (DeepSpeed's BF16_Optimizer keeps fp32 gradients).
-    default = torch.bfloat16 if _zero_stage(context) >= 1 else torch.float32
-    return PrecisionPolicy("bf16", torch.bfloat16, master_weights=True,
-                           grad_accum_dtype=_grad_accum_dtype(context, default),
-                           check_overflow=config.check_grad_overflow)
-
-
-def build_amp(config: AmpConfig, context):
-    import torch
-
-    from .loss_scaler import DynamicLossScaler, StaticLossScaler
-    from .policy import PrecisionPolicy, dtype_from_name
-
-    device_type = context.accelerator.name if context is not None and context.accelerator is not None else "cpu"
-    if config.opt_level == "O0":
-        return PrecisionPolicy("amp", torch.float32, device_type=device_type)
-    dtype = dtype_from_name(config.dtype or ("bf16" if device_type == "cpu" else "fp16"))
-    scaler = None
-    if dtype == torch.float16:
-        if config.loss_scale == "dynamic":
-            power = min(16, int(math.log2(config.max_loss_scale)))
-            scaler = DynamicLossScaler(initial_scale_power=power, min_scale=config.min_loss_scale or 1.0,
-                                       max_scale=config.max_loss_scale)
-        else:
-            scaler = StaticLossScaler(float(config.loss_scale))
-    return PrecisionPolicy("amp", torch.float32, grad_accum_dtype=torch.float32, loss_scaler=scaler,
-                           autocast_dtype=dtype, device_type=device_type)
-
-
 # ------------------------------------------------------------------------------------ rules
 def one_precision_mode(config, report) -> None:
     enabled = [name for name in ("fp16", "bf16", "amp")
@@ -212,19 +131,3 @@ def amp_deepspeed_config(config):
     amp = config.get("amp") or {}
     enabled = amp.get("enabled") is True
     return {"amp_enabled": enabled, "amp_params": {k: v for k, v in amp.items() if k != "enabled"} if enabled else False}
-
-
-@hookimpl
-def dsplug_precisions():
-    return [
-        PluginSpec(category="precision", name="fp32", factory=build_fp32, default=True,
-                   summary="full precision (default)"),
-        PluginSpec(category="precision", name="fp16", section="fp16", schema=Fp16Config, factory=build_fp16,
-                   rules=(one_precision_mode,), deepspeed_config=fp16_deepspeed_config,
-                   summary="fp16 weights, fp32 master weights, loss scaling"),
-        PluginSpec(category="precision", name="bf16", aliases=("bfloat16",), section="bf16", schema=Bf16Config,
-                   factory=build_bf16, deepspeed_config=bf16_deepspeed_config,
-                   summary="bf16 weights, fp32 master weights and gradient accumulation"),
-        PluginSpec(category="precision", name="amp", section="amp", schema=AmpConfig, factory=build_amp,
-                   deepspeed_config=amp_deepspeed_config, summary="torch.autocast around forward (Apex O1 semantics)"),
-    ]
