@@ -14,7 +14,13 @@ class BuildContext:
     accelerator: the :class:`dsplug.accelerator.Accelerator` in use
     comm:        the :mod:`dsplug.comm` layer bound to the data-parallel group (all collectives go
                  through it): the module itself without model parallelism, else a
-                 :class:`dsplug.comm.bound.GroupComm` whose ranks are data-parallel ranks
+                 :class:`dsplug.comm.bound.GroupComm` whose ranks are data-parallel ranks.
+                 ``comm.group`` is the ``torch.distributed`` process group its collectives
+                 default to: None when that is the default group (the world: ``comm`` is the
+                 module), else the data-parallel ``ProcessGroup``; pass
+                 ``comm.group or torch.distributed.group.WORLD`` to torch APIs that need a group
+                 (a ``DeviceMesh.from_group``). ``comm.get_rank()`` / ``get_world_size()``
+                 answer inside it (they equal ``rank`` / ``world_size``)
     rank / world_size / local_rank: this process's place in the data-parallel group
     mp_rank / mp_world_size: its model-parallel slice (``initialize(mpu=...)``; 0 / 1 without)
     model:       the user's ``torch.nn.Module`` (None when not known yet)

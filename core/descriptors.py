@@ -54,7 +54,10 @@ class PluginSpec:
               case-insensitive, like DeepSpeed's ``optimizer.type``.
     factory:  builds the feature; its signature is the category's contract (see hookspecs).
     schema:   an attrs class validating this plugin's config (the section it owns, or the
-              ``params`` dict of an optimizer / scheduler). ``None``: it takes no config.
+              ``params`` dict of an optimizer / scheduler, or -- for a plugin selected by a
+              section's field, such as a ``zero_stage`` -- the keys it adds to that section,
+              validated only while it is selected and read with
+              ``config.selected_params(category)``). ``None``: it takes no config.
     section:  the top-level config section this plugin owns, if any (``"fp16"``,
               ``"tensorboard"``). A section may be owned by exactly one plugin.
     aliases:  other accepted spellings of ``name``.

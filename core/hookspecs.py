@@ -241,13 +241,15 @@ class ServiceSpecs:
 
     @hookspec(firstresult=True)
     def dsplug_gathered_parameters(self, params, modifier_rank):
-        """A context manager in which each parameter of ``params`` that your ZeRO stage holds
-        partitioned has its full value (DeepSpeed's ``deepspeed.zero.GatheredParameters``), or
-        None when none of them is yours.
+        """A context manager in which each parameter of ``params`` that you hold partitioned
+        OUTSIDE any engine has its full value (stage 3: parameters built under
+        ``dsplug.zero.Init`` before ``initialize``), or None when none of them is yours.
 
-        Asked by plugins that read or change whole weights whatever the stage (compression
-        methods quantize and prune them), also to learn whether any parameter is partitioned at
-        all. ``params``: a list of parameters; ``modifier_rank``: None to read only (changes are
+        Asked only by the kernel's ``dsplug.contracts.zero_stage.gathered_parameters`` (the
+        service behind ``dsplug.zero.GatheredParameters`` and the compression methods), and only
+        for parameters no engine's ZeRO stage trains: the parameters of an engine go to its
+        stage's ``ZeroStage.gathered`` instead, which is what a ZeRO stage implements.
+        ``params``: a list of parameters; ``modifier_rank``: None to read only (changes are
         dropped on exit), or the data-parallel rank whose full values every rank keeps (its part)
         on exit. Entering is a collective: every rank of the parameters' data-parallel group
         enters with the same parameters. Building the context manager must communicate nothing.

@@ -33,6 +33,11 @@ ReduceOp = dist.ReduceOp
 #: ``dsplug_comm_summary`` to see every collective (see :mod:`dsplug.comm.hooks`)
 events = CommEvents()
 
+#: the process group the collectives default to, as ``context.comm.group`` reads it: None here,
+#: meaning torch.distributed's default group (the world). A :class:`dsplug.comm.bound.GroupComm`
+#: (``context.comm`` with model parallelism) has its data-parallel ``ProcessGroup`` instead.
+group = None
+
 
 # ------------------------------------------------------------------------------ process group
 def is_initialized() -> bool:

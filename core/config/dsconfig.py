@@ -6,6 +6,10 @@ Building a :class:`DsplugConfig` parses and validates everything at once and rai
 * the kernel owns the keys of :class:`~dsplug.config.kernel_schema.KernelConfig`;
 * ``optimizer.params`` / ``scheduler.params`` belong to the plugin ``type`` selects;
 * any other top-level section belongs to the plugin whose spec declares ``section=`` for it;
+* in a section whose spec ``selects=(category, field)`` (``zero_optimization`` selects the
+  ``zero_stage`` by ``stage``), the keys the section's schema lacks belong to the selected plugin
+  when its spec has a ``schema`` (and no section of its own): they are validated by that schema
+  only while it is selected (:meth:`DsplugConfig.selected_params`);
 * a section DeepSpeed documents but no installed plugin owns is an error saying so.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ from .auto import BATCH_KEYS, auto_paths, fill_auto
 from .batch import BatchError, implied_world_size, infer_batch
 from .kernel_schema import COMPRESSION_SECTION, DOCUMENTED_COMPRESSION_METHODS, DOCUMENTED_SECTIONS, KernelConfig
 from .loader import load_raw
-from .schema import AUTO, ConfigError, Report, is_auto, parse, to_dict
+from .schema import AUTO, ConfigError, Report, is_auto, key_map, parse, to_dict
 
 KERNEL_KEYS = tuple(a.name for a in attrs.fields(KernelConfig))
 #: top-level spellings DeepSpeed accepted in the past -> the modern key
@@ -93,6 +97,8 @@ class DsplugConfig(abc.Mapping):
         self.sections: Dict[str, Any] = {}
         #: ``compression_training`` methods in config order: (provided, parsed section)
         self.compression: List[Tuple[Any, Any]] = []
+        #: category -> (section, the selected plugin's parsed keys in it) (see :meth:`selected_params`)
+        self._selected_params: Dict[str, Tuple[str, Any]] = {}
         self.kernel: KernelConfig = self._parse_kernel(raw, report)
         self.optimizer: Optional[Selected] = self._select("optimizer", "optimizer", report)
         self.scheduler: Optional[Selected] = self._select("scheduler", "scheduler", report)
@@ -157,6 +163,7 @@ class DsplugConfig(abc.Mapping):
                     if _takes_no_config(key, value, owner, report):
                         self.sections[key] = {}
                     continue
+                value = self._split_selected_keys(owner, key, value, report)
                 self.sections[key] = parse(owner.spec.schema, value, key, report)
             elif key in DOCUMENTED_SECTIONS:
                 report.error(
@@ -170,6 +177,77 @@ class DsplugConfig(abc.Mapping):
                 guess = suggest(key, known)
                 hint = f"; did you mean {guess!r}?" if guess else ""
                 report.error(key, f"unknown top-level key{hint} (`dsplug config explain` lists the valid keys)")
+
+    def _selected_by(self, owner, value: Dict[str, Any]):
+        """The plugin ``value`` (a section selecting ``owner.spec.selects``) names, or None."""
+        category, field_name = owner.spec.selects
+        attribute = key_map(owner.spec.schema).get(field_name)
+        name = next((v for k, v in value.items() if key_map(owner.spec.schema).get(k) is attribute), None) \
+            if attribute is not None else None
+        if name is None and attribute is not None and attribute.default is not attrs.NOTHING:
+            name = attribute.default
+        if name is None or is_auto(name) or isinstance(name, (dict, list, bool)):
+            return None
+        return self.registry.find(category, str(name))
+
+    def _split_selected_keys(self, owner, key: str, value, report: Report):
+        """For a section that selects a plugin: the keys of ``value`` its own schema parses; the
+        keys the selected plugin's ``schema`` declares are parsed by it (kept for
+        :meth:`selected_params`). A key of another, unselected plugin of the category is an error
+        naming that plugin; any other unknown key gets did-you-mean over both schemas."""
+        if not owner.spec.selects or not isinstance(value, dict):
+            return value
+        category, field_name = owner.spec.selects
+        own = key_map(owner.spec.schema)
+        selected = self._selected_by(owner, value)
+        plugin_schema = selected.spec.schema if selected is not None and not selected.spec.section else None
+        theirs = key_map(plugin_schema) if plugin_schema is not None else {}
+        mine, plugin_values = {}, {}
+        for k, v in value.items():
+            if k in own:
+                mine[k] = v
+            elif k in theirs:
+                plugin_values[k] = v
+            else:
+                others = [p.name for p in self.registry.all() if p.category == category and p is not selected
+                          and p.spec.schema is not None and not p.spec.section and k in key_map(p.spec.schema)]
+                if others:
+                    chosen = selected.name if selected is not None else value.get(field_name)
+                    report.error(f"{key}.{k}", f"is a key of the {category} {others[0]!r}, which this config does not "
+                                               f"select ({key}.{field_name} selects {chosen!r}); remove it or select "
+                                               f"{others[0]!r}")
+                elif plugin_schema is not None:
+                    guess = suggest(k, list(own) + list(theirs))
+                    if guess:
+                        report.error(f"{key}.{k}", f"unknown key; did you mean {key + '.' + guess!r}?")
+                    else:
+                        valid = ", ".join(sorted({a.name for a in own.values()} | {a.name for a in theirs.values()}))
+                        report.error(f"{key}.{k}", f"unknown key. Valid keys here (with the {category} "
+                                                   f"{selected.name!r}): {valid}")
+                else:
+                    mine[k] = v  # the section's schema reports it
+        if plugin_schema is not None:
+            self._selected_params[category] = (key, parse(plugin_schema, plugin_values, key, report))
+        return mine
+
+    def selected_params(self, category: str):
+        """The selected plugin's own keys in the section that selects it: an instance of its
+        spec's ``schema`` (defaults for keys the config leaves out), or None when the selected
+        plugin declares no schema (or none is selected by a section). A ZeRO stage reads
+        ``context.config.selected_params("zero_stage")`` for the keys it added to
+        ``zero_optimization``."""
+        if category in self._selected_params:
+            return self._selected_params[category][1]
+        for owner in self.registry.sections().values():
+            if owner.spec.selects and owner.spec.selects[0] == category:
+                try:
+                    provided, _ = self.selection(category)
+                except PluginNotFoundError:
+                    return None
+                if provided.spec.schema is None or provided.spec.section:
+                    return None
+                return parse(provided.spec.schema, {}, owner.spec.section)
+        return None
 
     def _parse_compression(self, value, report: Report) -> None:
         """Each key under ``compression_training`` selects the compression plugin of that name."""
@@ -375,6 +453,9 @@ def to_dict_of(config: DsplugConfig) -> Dict[str, Any]:
             out[key] = {"type": selected.type, "params": params}
     for name, section in config.sections.items():
         out[name] = to_dict(section) if attrs.has(type(section)) else dict(section)
+    for name, params in config._selected_params.values():  # a selected plugin's keys in its section
+        if name in out:
+            out[name].update(to_dict(params))
     if config.compression:
         out[COMPRESSION_SECTION] = {p.name: to_dict(section) if attrs.has(type(section)) else dict(section)
                                     for p, section in config.compression}

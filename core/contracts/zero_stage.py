@@ -130,6 +130,15 @@ class ZeroStage(abc.ABC):
     Checkpoint: the stage saves the module in the shared file under ``"module"`` (the full state
     dict, gathered if partitioned) and its optimizer / master-weight state in every rank's file
     under ``"stage"``. ``docs/zero-stages.md`` documents the partitioned layout.
+
+    Parameters: the factory may replace the module's ``Parameter`` objects with its own (FSDP2
+    turns each into a DTensor parameter; a tensor subclass, a new Parameter over other storage).
+    The engine records the module's parameters after the factory returns (:func:`attach_stage`),
+    so :func:`stage_of`, ``dsplug.utils.safe_get_full_*`` and :meth:`gathered` answer for the
+    stage's parameters; it keeps no reference (strong or weak) to any parameter, so
+    ``module.to()`` can swap them (torch swaps tensor subclasses in place, which a weak
+    reference forbids). A parameter the stage replaces later is not recorded: replace them in
+    the factory.
     """
 
     traits: ZeroStageTraits = NO_TRAITS
@@ -233,6 +242,22 @@ class ZeroStage(abc.ABC):
         ``buffers``. Stages that cannot account for their memory leave this as is."""
         raise ZeroStageError(f"{type(self).__name__} (ZeRO stage {self.stage}) does not report its memory")
 
+    def gathered(self, params, modifier_rank: Optional[int] = None):
+        """A context manager in which each parameter of ``params`` has its full value, or None
+        when they all have it already (the default: a stage that does not partition parameters).
+
+        Called by the kernel's :func:`gathered_parameters` (which ``dsplug.zero.GatheredParameters``
+        -- DeepSpeed's ``deepspeed.zero.GatheredParameters`` -- and the compression methods use)
+        with the parameters of its argument that this stage trains (:func:`stage_of` is this
+        stage), in the caller's order, without duplicates. ``modifier_rank``: None to read only
+        (changes made inside are dropped on exit); else the data-parallel rank (of
+        ``context.comm``) whose full values every rank keeps on exit (each rank its part; master
+        weights follow). Entering and leaving are collectives: every rank of the data-parallel
+        group enters with the same parameters. Building the context manager must communicate
+        nothing. Inside, ``param.data`` (or the module's attribute of that name) is the full
+        tensor in the training dtype, readable and, with a ``modifier_rank``, writable in place."""
+        return None
+
     def close(self) -> None:
         """Called by ``engine.destroy()`` (or when another engine wraps the same model): remove
         hooks, close the offload devices the stage opened; the stage is not used afterwards."""
@@ -279,29 +304,40 @@ class ZeroStage(abc.ABC):
 # ------------------------------------------------------------------ which stage trains a parameter
 STAGE_ATTR = "_dsplug_stage"
 
-#: id(parameter) -> (weak reference to it, weak reference to its stage). Weak both ways and off the
-#: parameters themselves, so copying or pickling a parameter never drags the stage along.
-_OWNERS: Dict[int, Tuple[Any, Any]] = {}
+#: id(parameter) -> (weak reference to its stage, weak reference to the module, the parameter's
+#: name there). No reference to the parameter itself: a weak reference to a tensor forbids
+#: ``torch.utils.swap_tensors`` (``module.to()`` of DTensor / tensor-subclass parameters), a
+#: strong one would keep it alive. :func:`stage_of` checks that the name still resolves to the
+#: very object asked about, so a reused id never answers for another tensor.
+_OWNERS: Dict[int, Tuple[Any, Any, str]] = {}
 
 
 def attach_stage(module, stage: ZeroStage) -> None:
-    """Record that ``stage`` trains ``module`` and its parameters (the engine calls this), so that
-    :func:`stage_of` finds the stage from a parameter or the module alone."""
+    """Record that ``stage`` trains ``module`` and its parameters (the engine calls this after the
+    stage's factory returned, so parameters the factory put in the module are the ones
+    recorded), so that :func:`stage_of` finds the stage from a parameter or the module alone.
+    The entries go away with the stage (or :func:`detach_stage`)."""
     object.__setattr__(module, STAGE_ATTR, stage)
-    ref = weakref.ref(stage)
-    for p in module.parameters():
-        _OWNERS[id(p)] = (weakref.ref(p), ref)
+    keys = []
+
+    def forget(_ref, keys=keys):
+        for key in keys:
+            entry = _OWNERS.get(key)
+            if entry is not None and entry[0] is _ref:
+                del _OWNERS[key]
+
+    ref = weakref.ref(stage, forget)
+    module_ref = weakref.ref(module)
+    for name, p in module.named_parameters():
+        _OWNERS[id(p)] = (ref, module_ref, name)
+        keys.append(id(p))
 
 
 def detach_stage(module, stage: ZeroStage) -> None:
     """Undo :func:`attach_stage` (only where ``stage`` is still the one recorded)."""
     if getattr(module, STAGE_ATTR, None) is stage:
         object.__delattr__(module, STAGE_ATTR)
-    for p in module.parameters():
-        entry = _OWNERS.get(id(p))
-        if entry is not None and entry[1]() is stage:
-            del _OWNERS[id(p)]
-    for key in [k for k, (p, st) in _OWNERS.items() if p() is None or st() is None]:
+    for key in [k for k, (st, _, _) in _OWNERS.items() if st() is stage or st() is None]:
         del _OWNERS[key]
 
 
@@ -310,9 +346,75 @@ def stage_of(obj) -> Optional[ZeroStage]:
     if isinstance(obj, torch_module_types()):
         return getattr(obj, STAGE_ATTR, None)
     entry = _OWNERS.get(id(obj))
-    if entry is None or entry[0]() is not obj:
+    if entry is None:
         return None
-    return entry[1]()
+    stage, module = entry[0](), entry[1]()
+    if stage is None or module is None or _parameter(module, entry[2]) is not obj:
+        return None
+    return stage
+
+
+def _parameter(module, name: str):
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, "_modules", {}).get(part)
+        if module is None:
+            return None
+    return getattr(module, "_parameters", {}).get(leaf)
+
+
+def gathered_parameters(params, modifier_rank: Optional[int] = None):
+    """The kernel's service behind ``dsplug.zero.GatheredParameters``: a context manager in which
+    every parameter of ``params`` (one tensor or an iterable; None entries skipped) has its full
+    value, or None when nothing needs gathering.
+
+    Each parameter goes to the stage that trains it (:func:`stage_of`), whose
+    :meth:`ZeroStage.gathered` is asked for its parameters (stages in the order their first
+    parameter comes); parameters no engine trains go to the ``dsplug_gathered_parameters`` hook
+    (stage 3 answers for those partitioned by ``dsplug.zero.Init`` before ``initialize``).
+    ``modifier_rank`` as in :meth:`ZeroStage.gathered`. Entering is a collective on every rank.
+    """
+    import contextlib
+
+    if params is None:
+        return None
+    if isinstance(params, torch_tensor_type()):
+        params = [params]
+    seen, by_stage, unowned = set(), {}, []
+    for p in params:
+        if p is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        stage = stage_of(p)
+        if stage is None:
+            unowned.append(p)
+        else:
+            by_stage.setdefault(id(stage), (stage, []))[1].append(p)
+    contexts = [stage.gathered(ps, modifier_rank) for stage, ps in by_stage.values()]
+    if unowned:
+        from ..registry import get_registry
+
+        contexts.append(get_registry().pm.hook.dsplug_gathered_parameters(params=unowned, modifier_rank=modifier_rank))
+    contexts = [c for c in contexts if c is not None]
+    if not contexts:
+        return None
+    if len(contexts) == 1:
+        return contexts[0]
+
+    @contextlib.contextmanager
+    def all_of():
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
+            yield
+
+    return all_of()
+
+
+def torch_tensor_type():
+    import torch
+
+    return torch.Tensor
 
 
 def torch_module_types():

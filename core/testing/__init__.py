@@ -7,7 +7,9 @@ Two layers, both public:
   and an optional registry), :func:`train_steps` (deterministic data chosen by the step number,
   so resumed and uninterrupted runs see the same batches), :func:`save_and_load`,
   :func:`make_registry` (register plugin modules that are not installed), :func:`plugin_state`
-  (what an object contributes to a checkpoint) and :func:`assert_state_equal`;
+  (what an object contributes to a checkpoint) and :func:`assert_state_equal`; and
+  (:mod:`dsplug.testing.ranks`) :func:`run_ranks`, which runs a function on N real ranks over gloo
+  on 127.0.0.1 and returns each rank's result;
 * **contract suites** (:mod:`dsplug.testing.suites`, pytest base classes):
   :class:`OptimizerContract`, :class:`SchedulerContract`, :class:`MonitorContract`,
   :class:`ObserverContract`, :class:`PrecisionContract`, :class:`CompressionContract`,
@@ -44,6 +46,7 @@ from .harness import (
     tiny_model,
     train_steps,
 )
+from .ranks import RankFailed, run_ranks
 
 _SUITES = ("PluginContract", "OptimizerContract", "SchedulerContract", "MonitorContract", "ObserverContract",
            "PrecisionContract", "CompressionContract", "SectionContract")
@@ -51,7 +54,8 @@ _STAGE_SUITES = ("ZeroStageContract", "OffloadDeviceContract", "AcceleratorContr
 
 __all__ = ["BASE_CONFIG", "assert_state_equal", "contract_problems", "default_optimizer", "has_state",
            "lifecycle_hooks_of", "make_registry", "merge", "plugin_state", "save_and_load", "tiny_batch",
-           "tiny_config", "tiny_engine", "tiny_loss", "tiny_model", "train_steps", *_SUITES, *_STAGE_SUITES]
+           "tiny_config", "tiny_engine", "tiny_loss", "tiny_model", "train_steps", "run_ranks", "RankFailed",
+           *_SUITES, *_STAGE_SUITES]
 
 
 def __getattr__(name):

@@ -88,6 +88,28 @@ class ZeroStageContract(PluginContract):
         assert error is not None and "zero_optimization.reduce_bucket_sise" in [i.path for i in error.issues], \
             f"a typo in zero_optimization was not reported at its path: {error}"
 
+    def test_own_keys_of_zero_optimization_only_while_selected(self):
+        """A stage whose spec has a ``schema`` (its keys of ``zero_optimization``): the config
+        selecting it parses them (defaults filled in); with stage 0 selected each is an error
+        naming this stage."""
+        from ..config import check_config
+        from ..config.schema import fields_of
+
+        schema_cls = self.provided().spec.schema
+        if schema_cls is None:
+            import pytest
+
+            pytest.skip(f"stage {self.plugin_name!r} adds no keys to zero_optimization (its spec has no schema)")
+        params = self.parsed_config().selected_params("zero_stage")
+        assert isinstance(params, schema_cls), \
+            f"config.selected_params('zero_stage') is {params!r}, not an instance of the spec's schema {schema_cls}"
+        for key in [a.name for a in fields_of(schema_cls)]:
+            config = harness.tiny_config({"zero_optimization": {"stage": 0, key: getattr(params, key)}})
+            error = check_config(config, world_size=1, registry=self.registry())
+            assert error is not None and f"zero_optimization.{key}" in [i.path for i in error.issues] \
+                and repr(self.plugin_name) in str(error), \
+                f"zero_optimization.{key} (a key of stage {self.plugin_name!r}) was not refused at stage 0: {error}"
+
     def test_factory_builds_the_contract(self):
         engine = self.make_engine()
         problems = harness.contract_problems(self.category, engine.stage)

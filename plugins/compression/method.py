@@ -40,15 +40,16 @@ class CompressionTarget:
 
 
 def _gathering(params, modifier_rank):
-    """The context manager of the ZeRO stage that holds some of ``params`` partitioned (hook
-    ``dsplug_gathered_parameters``), or None when none is partitioned."""
-    from dsplug.registry import get_registry
+    """The context manager of the ZeRO stage(s) that hold some of ``params`` partitioned (the
+    kernel's ``gathered_parameters``: each stage's ``ZeroStage.gathered``), or None when none is
+    partitioned."""
+    from dsplug.contracts.zero_stage import gathered_parameters
 
-    return get_registry().pm.hook.dsplug_gathered_parameters(params=list(params), modifier_rank=modifier_rank)
+    return gathered_parameters(list(params), modifier_rank)
 
 
 def is_partitioned(params) -> bool:
-    """True when a ZeRO stage holds some of these parameters partitioned (stage 3 does)."""
+    """True when a ZeRO stage holds some of these parameters partitioned (stage 3 and fsdp2 do)."""
     return _gathering([p for p in params if p is not None], None) is not None
 
 

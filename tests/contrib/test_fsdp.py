@@ -183,8 +183,9 @@ REFUSED = [
      "amp.enabled: amp cannot be combined with ZeRO (zero_optimization.stage is fsdp2)"),
     ({"zero_optimization": {"stage": "fsdp2", "zero_quantized_gradients": True}},
      "zero_optimization.zero_quantized_gradients: ZeRO++ (zero_quantized_gradients) needs ZeRO stage 3"),
-    ({"zero_optimization": {"stage": 3}, "fsdp2": {"wrap": ["Block"]}},
-     "fsdp2: configures the ZeRO stage 'fsdp2', but zero_optimization.stage is 3"),
+    ({"zero_optimization": {"stage": 3, "wrap": ["Block"]}},
+     "zero_optimization.wrap: is a key of the zero_stage 'fsdp2', which this config does not select "
+     "(zero_optimization.stage selects '3')"),
 ]
 
 

@@ -1,9 +1,10 @@
-"""The ``fsdp2`` config section (how the model is cut into FSDP2 units) and the config rules that
-refuse what this stage does not do. Cheap to import (no torch).
+"""The keys the ``fsdp2`` stage adds to ``zero_optimization`` (how the model is cut into FSDP2
+units: :class:`Fsdp2Config`, the stage spec's ``schema``, so the kernel validates them only while
+``fsdp2`` is selected) and the config rules that refuse what this stage does not do. Cheap to
+import (no torch).
 
 ```json
-"zero_optimization": {"stage": "fsdp2"},
-"fsdp2": {"wrap": ["GPT2Block"], "reshard_after_forward": true}
+"zero_optimization": {"stage": "fsdp2", "wrap": ["GPT2Block"], "reshard_after_forward": true}
 ```
 """
 from __future__ import annotations
@@ -14,10 +15,9 @@ from dsplug.config.schema import field, key_map, schema
 
 #: the name ``zero_optimization.stage`` selects this stage by
 STAGE_NAME = "fsdp2"
-SECTION = "fsdp2"
 
-#: ``zero_optimization`` keys this stage acts on. Every other key a config gives there is a
-#: tuning knob of dsplug's own stages that FSDP2 has no counterpart for: accepted (so a DeepSpeed
+#: keys of the ``zero_optimization`` schema this stage acts on (its own keys, :class:`Fsdp2Config`,
+#: are not in that schema). Every other key of the schema a config gives is a tuning knob of dsplug's own stages that FSDP2 has no counterpart for: accepted (so a DeepSpeed
 #: config keeps working when only the stage changes) with a notice saying it does nothing here.
 #: The offload sections and ZeRO++ keys are refused by the ``zero_optimization`` rules from this
 #: stage's traits.
@@ -51,15 +51,9 @@ def _selects_fsdp2(config) -> bool:
 
 
 def fsdp2_rules(config, report) -> None:
-    """What a config selecting ``fsdp2`` may not combine with it, and an ``fsdp2`` section
-    given without selecting the stage (it would do nothing)."""
+    """What a config selecting ``fsdp2`` may not combine with it. (Its own keys given with another
+    stage are the kernel's error: they belong to the unselected stage ``fsdp2``.)"""
     if not _selects_fsdp2(config):
-        if SECTION in config.raw:
-            zero = config.sections.get("zero_optimization")
-            stage = zero.stage if zero is not None else "0 (no zero_optimization section)"
-            report.error(SECTION, f"configures the ZeRO stage {STAGE_NAME!r}, but zero_optimization.stage is "
-                                  f"{stage}; select it with \"zero_optimization\": {{\"stage\": \"{STAGE_NAME}\"}} "
-                                  "or remove this section")
         return
     accum = config.kernel.data_types.grad_accum_dtype
     if accum is not None and accum.lower() != "fp32":
@@ -75,4 +69,4 @@ def fsdp2_rules(config, report) -> None:
             if key in known and key not in HONOURED_ZERO_KEYS:
                 report.notice(f"zero_optimization.{key}",
                               f"has no effect with the ZeRO stage {STAGE_NAME!r}: FSDP2 gathers and reduces one "
-                              f"unit at a time (the {SECTION!r} section says which modules are units)")
+                              f"unit at a time (zero_optimization.wrap says which modules are units)")

@@ -1,10 +1,10 @@
-"""Registers the ZeRO stage ``fsdp2`` and the ``fsdp2`` config section (hooks only; cheap to
+"""Registers the ZeRO stage ``fsdp2`` with its own ``zero_optimization`` keys (hooks only; cheap to
 import: the stage imports torch's FSDP2 when it is built)."""
 from __future__ import annotations
 
 from dsplug import PluginSpec, hookimpl
 
-from .config import SECTION, STAGE_NAME, Fsdp2Config, fsdp2_rules
+from .config import STAGE_NAME, Fsdp2Config, fsdp2_rules
 from .traits import TRAITS
 
 
@@ -17,12 +17,7 @@ def build_fsdp2_stage(module, param_groups, build_optimizer, precision, zero_con
 @hookimpl
 def dsplug_zero_stages():
     return [PluginSpec(category="zero_stage", name=STAGE_NAME, factory=build_fsdp2_stage, traits=TRAITS,
-                       rules=(fsdp2_rules,),
+                       schema=Fsdp2Config, rules=(fsdp2_rules,),
                        summary="PyTorch FSDP2 (fully_shard): parameters, gradients and optimizer states sharded "
                                "by rows, gathered one unit at a time")]
 
-
-@hookimpl
-def dsplug_config_sections():
-    return [PluginSpec(category="section", name=SECTION, section=SECTION, schema=Fsdp2Config,
-                       summary="how the fsdp2 ZeRO stage cuts the model into FSDP2 units")]

@@ -1,9 +1,10 @@
 """The ZeRO stage ``fsdp2``: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) driven through
 dsplug's :class:`dsplug.contracts.ZeroStage` contract.
 
-Building: the model is cut into FSDP2 units (:func:`units_to_shard`, the ``fsdp2`` section) and
-each unit, then the model itself, is ``fully_shard``-ed over a device mesh of the data-parallel
-group (``context.comm``'s). Every parameter becomes a DTensor whose local tensor holds this rank's
+Building: the model is cut into FSDP2 units (:func:`units_to_shard`, ``zero_optimization.wrap``)
+and each unit, then the model itself, is ``fully_shard``-ed over a device mesh of the data-parallel
+group (``context.comm.group``). The module's parameters are replaced by FSDP2's DTensor
+parameters, which the contract allows a factory to do. Every parameter becomes a DTensor whose local tensor holds this rank's
 rows (:mod:`.rows`); FSDP2 gathers a unit's parameters just before its forward / backward and
 frees them after, and reduce-scatters its gradients into sharded gradients after its backward.
 Both collectives go through ``context.comm`` (:mod:`.collectives`).
@@ -25,6 +26,11 @@ Step: unscale the fp32 gradient rows, the global norm is one all-reduce of the s
 every rank's rows (no padding is counted), overflow check, clip, step, drop the gradients.
 Gradients are reduce-scattered at every micro-step (as at ZeRO stage 3: only shards are kept
 between micro-steps) and accumulate in the fp32 gradient shards.
+
+Full values (``dsplug.zero.GatheredParameters``, :meth:`Fsdp2Stage.gathered`): each parameter's
+rows are all-gathered into a plain full Parameter put in the module in the DTensor's place for
+the block; with a ``modifier_rank`` that rank's full values are broadcast and every rank copies
+its rows back into the sharded (master) parameter; the DTensor parameter returns on exit.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from dsplug.logging import log_rank0
 
 from . import checkpoint as ckpt
 from .collectives import CommAllGather, CommReduceScatter
-from .config import SECTION, STAGE_NAME
+from .config import STAGE_NAME
 from .rows import gather_rows, rows_of
 from .traits import TRAITS
 
@@ -81,7 +87,7 @@ class Fsdp2Stage(ZeroStage):
             group_names.append([names_before[id(p)] for p in group["params"]])
 
         _check_torch(module)
-        options = context.config.section(SECTION)
+        options = context.config.selected_params("zero_stage")  # this stage's keys of zero_optimization
         units = units_to_shard(module, options.wrap)  # (checked before the model is touched)
         if self.master_weights:  # the sharded parameters are the fp32 masters (buffers keep the training dtype)
             with torch.no_grad():
@@ -123,7 +129,7 @@ class Fsdp2Stage(ZeroStage):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         device_type = next(module.parameters()).device.type
-        group = getattr(self.comm, "group", None) or dist.group.WORLD  # (a GroupComm's; None: the world)
+        group = self.comm.group or dist.group.WORLD  # (None: the default group)
         mesh = DeviceMesh.from_group(group, device_type)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for unit in units + [module]:
@@ -259,6 +265,18 @@ class Fsdp2Stage(ZeroStage):
                 else:
                     value.copy_(source)
 
+    def gathered(self, params, modifier_rank: Optional[int] = None):
+        """The contract's gather (``dsplug.zero.GatheredParameters``): inside the block the module
+        holds a full Parameter (training dtype) where each of ``params`` was; see the module
+        docstring. None when none of ``params`` is this model's."""
+        names = [n for n in dict.fromkeys(self._name(p) for p in params) if n is not None]
+        if not names:
+            return None
+        if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < self.world_size):
+            raise ValueError(f"GatheredParameters: modifier_rank={modifier_rank!r} is not a rank of the data-parallel "
+                             f"group (0..{self.world_size - 1}), nor None")
+        return _Gathered(self, names, modifier_rank)
+
     def refresh_master_from_model(self) -> None:
         """The sharded parameters are the masters: a module load already wrote them."""
 
@@ -371,6 +389,50 @@ class Fsdp2Stage(ZeroStage):
             "param_groups": [{**g["hyper"], "params": [index[n] for n in g["names"]]} for g in saved]})
 
 
+class _Gathered:
+    """Full Parameters in the module in place of the DTensor parameters ``names`` (every slot a
+    tied parameter has), for one ``with`` block."""
+
+    def __init__(self, stage: Fsdp2Stage, names: List[str], modifier_rank: Optional[int]):
+        self.stage, self.names, self.modifier_rank = stage, names, modifier_rank
+        wanted = {id(stage.params[n]): n for n in names}
+        self.slots: Dict[str, list] = {n: [] for n in names}
+        for owner in stage.module.modules():
+            for leaf, p in owner._parameters.items():
+                if p is not None and id(p) in wanted:
+                    self.slots[wanted[id(p)]].append((owner, leaf))
+        self.full: Dict[str, torch.nn.Parameter] = {}
+
+    def _put(self, value_of) -> None:
+        for name, slots in self.slots.items():
+            for owner, leaf in slots:
+                owner._parameters[leaf] = value_of(name)
+
+    def __enter__(self):
+        stage = self.stage
+        with torch.no_grad():
+            for name in self.names:
+                full = stage._full(name, stage.local[name].detach()).to(stage.model_dtype)
+                self.full[name] = torch.nn.Parameter(full, requires_grad=stage.params[name].requires_grad)
+        self._put(self.full.__getitem__)
+        return self
+
+    def __exit__(self, *exc_info):
+        stage = self.stage
+        try:
+            if self.modifier_rank is not None and exc_info[0] is None:
+                with torch.no_grad():
+                    for name in self.names:
+                        full = self.full[name].detach()
+                        stage.comm.broadcast(full, src=self.modifier_rank)
+                        start, length = stage.rows[name]
+                        stage.local[name].copy_(full.narrow(0, start, length))
+        finally:
+            self._put(stage.params.__getitem__)
+            self.full.clear()
+        return False
+
+
 # ------------------------------------------------------------------ helpers
 def _check_torch(module) -> None:
     """What FSDP2 needs here: a process group, custom collectives, parameters with rows."""
@@ -407,7 +469,7 @@ def units_to_shard(module: torch.nn.Module, wrap: List[str]) -> List[torch.nn.Mo
         unknown = sorted(wanted - found)
         if unknown:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module and has_params(m)})
-            raise ConfigError(Issue(f"{SECTION}.wrap", f"no submodule with parameters is of class {unknown}; the "
+            raise ConfigError(Issue("zero_optimization.wrap", f"no submodule with parameters is of class {unknown}; the "
                                                        f"model's classes with parameters: {classes}"))
         return list(reversed(units))
 

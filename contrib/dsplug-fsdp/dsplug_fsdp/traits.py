@@ -3,11 +3,11 @@
 
 Parameters, gradients and optimizer states are all sharded (each rank keeps rows of every
 parameter, its gradient and its optimizer state), so ``engine.zero_optimization_stage()`` answers
-3. ``deepspeed_stage`` stays None: callers that branch on DeepSpeed's stage 3 (Hugging Face
-transformers / accelerate) gather parameters with ``dsplug.zero.GatheredParameters``, which is
-ZeRO stage 3's own API and leaves FSDP2's parameters alone; this stage does not claim to be
-DeepSpeed's stage 3. Nothing is offloaded: a config that sets an offload device is refused by the
-``zero_optimization`` rules.
+3. ``deepspeed_stage`` stays None: ``dsplug.zero.GatheredParameters`` gathers this stage's
+parameters (:meth:`.stage.Fsdp2Stage.gathered`), but callers that branch on DeepSpeed's stage 3
+(Hugging Face transformers / accelerate) also read ``model.state_dict()``, which holds FSDP2's
+DTensor shards; this stage does not claim to be DeepSpeed's stage 3. Nothing is offloaded: a
+config that sets an offload device is refused by the ``zero_optimization`` rules.
 """
 from __future__ import annotations
 

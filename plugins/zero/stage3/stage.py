@@ -322,6 +322,14 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                 if where is not None:
                     self.groups[where[0]].set_master_piece(where[1], self.partitioner.read_piece(p))
 
+    def gathered(self, params, modifier_rank: Optional[int] = None):
+        """The contract's gather: :class:`.gathered.PartitionedGathered` of ``params`` (None when
+        none of them is partitioned)."""
+        from .gathered import PartitionedGathered
+
+        context = PartitionedGathered(params, modifier_rank=modifier_rank)
+        return context if context.enabled else None
+
     def zero_grad(self) -> None:
         for p in self.all_params:
             p.grad = None
