@@ -344,6 +344,29 @@ def test_trainer_deepspeed_dict_config(alias, tmp_path, stage, procs):
           f"eval_loss {straight['eval_loss']}; resumed at step {N}: {resumed['trained_here']}")
 
 
+# ------------------------------------------------- Trainer: Llama, gradient checkpointing, ZeRO-3
+
+LLAMA_GC = Path(__file__).resolve().parents[2] / "data" / "deepspeed" / "make_hf_llama_checkpointing.py"
+
+
+def test_trainer_llama_gradient_checkpointing_zero3_equals_deepspeed(alias, tmp_path):
+    """A tiny LlamaForCausalLM with ``gradient_checkpointing_enable()`` (non-reentrant) at ZeRO-3
+    under the Trainer: the losses and grad norms DeepSpeed 0.19.8 logged for the same script
+    (tests/data/deepspeed/hf_llama_checkpointing.json). The first backward used to fail with
+    'The size of tensor a (0) must match the size of tensor b (64)' (a partitioned weight
+    released by the recompute before its gradient was accumulated)."""
+    want = json.loads(LLAMA_GC.with_name("hf_llama_checkpointing.json").read_text())
+    assert want["deepspeed"] == "0.19.8"
+    got = _result(_run(alias, tmp_path, LLAMA_GC.read_text(), ["--print"], 1))
+    assert "+dsplug." in got["deepspeed"]  # the alias served it
+    assert got["gradient_checkpointing"] and got["zero_stage"] == 3
+    assert got["partitioned"] == want["partitioned"] and len(got["partitioned"]) == 16  # every Linear / embedding
+    assert len(got["losses"]) == len(want["losses"]) == 6
+    assert got["losses"] == pytest.approx(want["losses"], rel=2e-6, abs=2e-6)
+    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=2e-6, abs=2e-6)
+    print(f"\nLlama + gradient checkpointing, ZeRO-3: dsplug {got['losses']}\n  DeepSpeed 0.19.8 {want['losses']}")
+
+
 # --------------------------------------------------------------------------------------- Accelerate
 
 
