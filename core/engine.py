@@ -128,8 +128,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         #: MoE experts' groups); [] when every parameter is averaged over the data-parallel group
         self.reduction_groups = sorted({name for names in self.registry.pm.hook.dsplug_reduction_groups(
             model=self.module, context=self.context) for name in (names or [])})
-        if self.world_size > 1:
-            groups.broadcast_module_state(self.module, self.context)
+        groups.broadcast_module_state(self.module, self.context)  # at one rank too, as DeepSpeed (the comms log shows it)
 
     def _build_stage(self, model, param_groups, client_optimizer):
         previous = stage_of(model)

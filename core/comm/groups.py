@@ -197,13 +197,18 @@ def broadcast_module_state(module, context) -> None:
     rank of the group of ranks holding the same value -- its reduction group
     (``context.reduction_of(p).comm``: the data-parallel group unless a plugin says otherwise,
     e.g. a MoE expert's expert-data-parallel group) -- and each buffer over the data-parallel
-    group (``context.comm``). Every rank calls it, with the parameters in the same order."""
+    group (``context.comm``). Every rank calls it, with the parameters in the same order.
+
+    In a world of one process the broadcasts are still issued (each an identity), as DeepSpeed
+    does: a comms log at one rank then lists what more ranks would send. A group of one inside a
+    larger world (a MoE expert no other rank holds) sends nothing."""
     import torch
 
+    alone = context.comm.get_world_size() == 1
     with torch.no_grad():
         for p in module.parameters():
             holders = context.reduction_of(p).comm
-            if holders.get_world_size() > 1:
+            if alone or holders.get_world_size() > 1:
                 holders.broadcast(p.data, src=0)
         for b in module.buffers():
             context.comm.broadcast(b.data, src=0)

@@ -7,15 +7,30 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 
+def clip_coefficient(norm: float, clip: float) -> float:
+    """``clip / (norm + 1e-6)``, computed in double (cast to the gradients' dtype when applied)."""
+    return clip / (norm + 1e-6)
+
+
+def fp32_clip_coefficient(norm: float, clip: float) -> float:
+    """The same coefficient the way DeepSpeed's ZeRO stages 1 and 2 compute it: in fp32, as the
+    reciprocal of ``(norm + 1e-6) / clip``. It can differ from :func:`clip_coefficient` in the
+    last bit, which under bf16 is enough for a weight to round the other way a few steps later."""
+    divisor = (torch.tensor(norm, dtype=torch.float32) + 1e-6) / clip
+    return float(1.0 / divisor)
+
+
 def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
                        global_norm: Callable[[List[torch.Tensor]], float],
-                       norm_always: bool = True) -> Tuple[bool, Optional[float]]:
+                       norm_always: bool = True,
+                       coefficient: Callable[[float, float], float] = clip_coefficient) -> Tuple[bool, Optional[float]]:
     """Unscale (``precision.unscale_``), take the global norm, detect overflow when
     ``precision.checks_overflow`` (and tell ``precision.update_scale``), clip to ``clip``. Returns
     ``(apply_step, norm)``; ``apply_step`` is False when an overflow means the step must be
     skipped. ``global_norm`` sees this rank's gradients and must return the norm over all ranks.
     With ``norm_always`` False the norm is only computed when clipping or the overflow check
-    needs it (else None)."""
+    needs it (else None). ``coefficient(norm, clip)``: the factor the gradients are multiplied by
+    when ``norm > clip``."""
     precision.unscale_(grads)
     checks = precision.checks_overflow
     norm = global_norm(grads) if norm_always or clip > 0 or checks else None
@@ -24,7 +39,7 @@ def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
     if overflow:
         return False, norm
     if norm is not None and clip > 0 and norm > clip:
-        torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        torch._foreach_mul_(grads, coefficient(norm, clip))
     return True, norm
 
 

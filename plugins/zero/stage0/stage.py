@@ -16,6 +16,11 @@ itself: that step's gradients are not all-reduced and the optimizer gets this ra
 gradients. The overflow check (fp16) then agrees over the ranks (a found-inf flag all-reduced
 with MAX, so every rank skips the same steps), while gradient clipping and the reported gradient
 norm use this rank's local norm.
+
+In a world of one process there is nothing to average and no bucket is built -- unless something
+watches the collectives (the comms logger, on ``dsplug.comm.events`` when the stage is built):
+then the buckets are all-reduced over the one rank (an identity), as DeepSpeed always does, so
+that a comms log at one rank shows what more ranks would send.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dsplug import comm
 from dsplug.contracts import ZeroStage
 
 from ..checkpoint import deepspeed_format as dsf
@@ -70,7 +76,7 @@ class DataParallelStage(dsf.DeepSpeedInterchange, ZeroStage):
             params, bucket_elements=_bucket_elements(zero_config), comm=reduction.comm, world_size=reduction.divisor,
             dtype=reduce_dtype, prescale=kernel_config.prescale_gradients,
             predivide=kernel_config.gradient_predivide_factor, grad_of=self._grad_of, set_grad=self._set_grad,
-        ) for reduction, params in self.domains.values()]) if self.world_size > 1 else None
+        ) for reduction, params in self.domains.values()]) if self.world_size > 1 or comm.events.watching else None
         self._boundary = True
         self._local_grads = False  # this step's optimizer averages over the ranks itself
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]

@@ -38,7 +38,7 @@ from ..checkpoint import deepspeed_format as dsf
 from ..checkpoint.layout import merge_partitions
 from ..partitioning.checks import check_elementwise
 from ..partitioning.flat import FlatGroup, gather_partitions, round_robin_order
-from ..partitioning.gradients import comm_dtype, unscale_check_clip
+from ..partitioning.gradients import comm_dtype, fp32_clip_coefficient, unscale_check_clip
 from ..partitioning.offload import open_devices
 from ..partitioning.reductions import reduction_domains
 from .traits import TRAITS
@@ -247,7 +247,8 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
             for chunk, view in zip(self.chunks[gi], _chunk_views(grad)):
                 chunk.grad = view
             grads.append(grad)
-        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, self._global_norm)
+        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, self._global_norm,
+                                                        coefficient=fp32_clip_coefficient)
         if not apply:
             self.zero_grad()
             return False
@@ -267,12 +268,16 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         return True
 
     def _global_norm(self, grads: List[torch.Tensor]) -> float:
-        local = sum(float(torch.linalg.vector_norm(g, 2, dtype=torch.float32)) ** 2 for g in grads)
+        """The norm over every rank's partitions (one per param group), in DeepSpeed's precision:
+        each group's sum of squares in fp64, rounded to fp32, summed over the ranks; the group
+        norms (fp32) then combined. The rounding matches DeepSpeed's to the last bit, which bf16
+        training magnifies (a weight that rounds the other way)."""
+        squares = torch.stack([torch.linalg.vector_norm(g.double(), 2) ** 2 for g in grads]).float()
         if self.world_size > 1:
-            total = torch.tensor([local], dtype=torch.float64, device=self.groups[0].buffer.device)
-            self.comm.all_reduce(total)
-            local = float(total)
-        return math.sqrt(local) if math.isfinite(local) else float("nan") if math.isnan(local) else float("inf")
+            squares = squares.to(self.groups[0].buffer.device)
+            self.comm.all_reduce(squares)
+        total = float(torch.linalg.vector_norm(squares.sqrt(), 2))
+        return total if math.isfinite(total) else float("nan") if math.isnan(total) else float("inf")
 
     def zero_grad(self) -> None:
         for p in self.params:

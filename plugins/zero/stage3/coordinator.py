@@ -24,6 +24,18 @@ ZeRO++. The gathers started here (fetch and prefetch) run inside
 :meth:`~.partitioned_param.ParamPartitioner.computing`, so with ZeRO++ on they send int8
 block-quantized weights (qwZ) or stay inside the hpZ group (see :mod:`dsplug.plugins.zero.stage3.zeropp`).
 
+Recompute in backward (activation checkpointing). A checkpointed forward runs again inside
+backward, so the forward hooks fire there too: the pre-hook gathers as usual, but the post-hook
+does not release a parameter that backward still needs -- one that will receive a gradient (it
+is released when the gradient has been accumulated, as in any backward: autograd's
+``AccumulateGrad`` shapes the gradient after the parameter, so the parameter must be whole then)
+or one a ``_PreBackward`` fetched for a node that has not run yet. Non-reentrant checkpointing
+(``torch.utils.checkpoint(use_reentrant=False)``, Hugging Face's default) starts the recompute
+from whichever saved tensor backward unpacks first, often after the module's own
+``_PreBackward`` fetch; releasing there left ``AccumulateGrad`` a 0-element parameter. Only
+parameters without gradient that no pending backward node asked for are released after a
+recompute (the recomputed graph keeps its own references to the values it saved).
+
 Live limit. ``stage3_max_live_parameters`` bounds the elements of gathered non-persistent
 parameters: prefetching stops short of it, and in forward a fetch that would exceed it first
 releases parameters kept for reuse (oldest first). A single unit larger than the limit is still
@@ -93,6 +105,7 @@ class ParamCoordinator:
         self.module_holds: Dict[int, int] = {}  # ds_id -> running forwards using it
         self.active: List[Optional[int]] = []  # trace index of each running forward
         self.in_backward = False
+        self.backward_fetched: set = set()  # ds_ids a _PreBackward fetched this pass (see _release_after_forward)
         self.passes = 0
         self._hooks = []
 
@@ -155,10 +168,12 @@ class ParamCoordinator:
     def pre_backward(self, module) -> None:
         params = self.unit(module)
         if params:
+            self.backward_fetched.update(p.ds_id for p in params)
             self._fetch(params, self._record(module), evict=False)
 
     def param_done(self, p) -> None:
         """Backward will not read ``p`` again in this pass (its gradient has been accumulated)."""
+        self.backward_fetched.discard(p.ds_id)
         if not p.ds_persist and not self.module_holds.get(p.ds_id):
             self._release([p])
 
@@ -222,6 +237,8 @@ class ParamCoordinator:
         for p in params:
             if self.module_holds.get(p.ds_id):
                 continue
+            if self.in_backward and (p.requires_grad or p.ds_id in self.backward_fetched):
+                continue  # a recompute: backward still needs p (see the module docstring)
             distance = reuse.get(p.ds_id)
             if distance is not None and distance < self.max_reuse:
                 continue
@@ -262,6 +279,7 @@ class ParamCoordinator:
         self.cursor = 0
         self.module_holds.clear()
         self.active.clear()
+        self.backward_fetched.clear()
 
 
 def _reuse_distances(units: List[List[torch.nn.Parameter]]) -> List[Dict[int, int]]:

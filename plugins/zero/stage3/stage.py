@@ -302,10 +302,11 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         return [g for grp in self.groups for g in grp.attach_grads()]
 
     def _global_norm(self, grads: List[torch.Tensor]) -> float:
+        # in fp64, as DeepSpeed's stage 3 (its last bit matters under bf16: see stage12's _global_norm)
         device = self.partitioner.device
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        squares = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
-            squares += torch.linalg.vector_norm(g, 2).to(device) ** 2
+            squares += torch.linalg.vector_norm(g.double(), 2).to(device) ** 2
         self.comm.all_reduce(squares)
         return float(squares.sqrt())
 

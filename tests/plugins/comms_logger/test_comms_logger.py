@@ -338,3 +338,89 @@ def test_prof_ops_and_debug_callers_in_a_run(logged):
         want = {("all_reduce", "GradientBuckets._launch", b): 1 for b in _bucket_bytes()}  # async: launch site
         want[("all_gather", "_filtered_collectives", 40)] = 1
         assert got == want
+
+
+# --------------------------------------------------------------------------- one rank, against DeepSpeed
+def _deepspeed_comms_log():
+    """tests/data/deepspeed/comms_log.json (DeepSpeed 0.19.8's records at 1 rank) and its maker module."""
+    import json
+    import pathlib
+    import sys
+
+    data = pathlib.Path(__file__).resolve().parents[2] / "data" / "deepspeed"
+    sys.path.insert(0, str(data))
+    try:
+        import make_comms_log
+    finally:
+        sys.path.remove(str(data))
+    return json.loads((data / "comms_log.json").read_text()), make_comms_log
+
+
+DS_LOG, DS_MAKER = _deepspeed_comms_log()
+
+
+def _one_rank_records(name: str):
+    """dsplug at 1 rank on the maker's script: {op: {size: count}} after initialize and after training."""
+    import dsplug
+
+    stage, bf16 = DS_MAKER.CASES[name]
+    model = DS_MAKER.make_model()
+    engine, *_ = dsplug.initialize(model=model, model_parameters=model.parameters(),
+                                   config=DS_MAKER.config(stage, bf16))
+    log, = [o for o in engine.observers if isinstance(o, CommsLoggerObserver)]
+
+    def records():
+        out = {}
+        for row in log.log.rows():
+            out.setdefault(row["op"], {})[str(row["nbytes"])] = row["count"]
+        return out
+
+    after_init = records()
+    DS_MAKER.train(engine, torch.bfloat16 if bf16 else torch.float32)
+    after_training = records()
+    engine.destroy()
+    return after_init, after_training
+
+
+def test_the_comms_fixture_comes_from_deepspeed_0_19_8():
+    assert DS_LOG["deepspeed"] == "0.19.8" and set(DS_LOG["cases"]) == set(DS_MAKER.CASES)
+    assert (DS_LOG["micro"], DS_LOG["gas"], DS_LOG["steps"]) == (DS_MAKER.MICRO, DS_MAKER.GAS, DS_MAKER.STEPS)
+
+
+@pytest.mark.parametrize("name", sorted(DS_MAKER.CASES))
+def test_one_rank_logs_deepspeeds_initial_broadcast(name):
+    """At one rank DeepSpeed still broadcasts every parameter from rank 0 at initialize (its
+    ``_broadcast_model``), and its comms logger lists those broadcasts; dsplug logs the same ops,
+    counts and message sizes (16-bit sizes under bf16: the model is cast first). Until then
+    dsplug's log at one rank was empty."""
+    after_init, after_training = _one_rank_records(name)
+    want = DS_LOG["cases"][name]["after_initialize"]["broadcast | [Caller Func: _broadcast_model]"]
+    assert after_init["broadcast"] == want
+    assert after_training["broadcast"] == want  # nothing else broadcast while training
+
+
+@pytest.mark.parametrize("name, ours, theirs", [
+    ("stage0_fp32", "all_reduce", "all_reduce | [Caller Func: allreduce_bucket]"),
+    ("stage3_fp32", "reduce_scatter", "reduce_scatter_tensor | [Caller Func: reduce_scatter_fn]"),
+    ("stage3_bf16", "reduce_scatter", "reduce_scatter_tensor | [Caller Func: reduce_scatter_fn]"),
+])
+def test_one_rank_logs_deepspeeds_gradient_reductions(name, ours, theirs):
+    """Where dsplug averages gradients the way DeepSpeed does -- stage 0's one all-reduce of the
+    whole bucket per optimizer step, stage 3's reduce-scatter per micro-step -- the one-rank log
+    shows DeepSpeed's counts and sizes. (Both also issue collectives of their own that the other
+    does not: DeepSpeed's norm / overflow all-reduces and stage-3 bookkeeping broadcasts and
+    barriers, dsplug's packed stage-3 all-gathers; stages 1 and 2 reduce to partition owners in
+    dsplug, and at one rank deliver locally without a collective.)"""
+    _, after_training = _one_rank_records(name)
+    assert after_training[ours] == DS_LOG["cases"][name]["after_training"][theirs]
+
+
+def test_one_rank_stage0_builds_no_buckets_unless_collectives_are_watched():
+    import dsplug
+
+    model = DS_MAKER.make_model()
+    config = DS_MAKER.config(0, False)
+    del config["comms_logger"]
+    engine, *_ = dsplug.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.stage.buckets is None  # nothing to average over one rank
+    engine.destroy()

@@ -569,6 +569,70 @@ def test_activation_checkpointing_trains_like_plain_pytorch(reentrant):
         torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
 
 
+class LinearEndedCheckpoint(SeededMLP):
+    """Checkpointed blocks that end in a Linear, as a transformer layer's attention / MLP do
+    (``out = h + down_proj(...)``): backward reaches the Linear's ``_PreBackward`` (which gathers its
+    weight) before anything unpacks a saved tensor, so the recompute starts after that gather.
+    ``block`` runs the layers inside one non-reentrant checkpoint; ``frozen`` layers take no gradient."""
+
+    def __init__(self, checkpointed: bool = True, frozen=()):
+        super().__init__()
+        self.checkpointed = checkpointed
+        for i in frozen:
+            self[i].requires_grad_(False)
+
+    def block(self, fn, x):
+        if not self.checkpointed:
+            return fn(x)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, x, use_reentrant=False)
+
+    def forward(self, x):
+        h = self.block(lambda t: self[2](self[1](self[0](t))), x)  # ends in Linear(HIDDEN, HIDDEN)
+        h = h + self.block(lambda t: self[2](self[3](t)), h)  # the same Linear again (a shared weight)
+        return self[4](h)
+
+
+def checkpointed_vs_plain(engine, steps: int, lr: float, frozen=(), rank: int = 0, world: int = 1):
+    """Train ``engine`` (a :class:`LinearEndedCheckpoint` under stage 3) and the same network in
+    plain PyTorch without checkpointing (SGD on the global batch); return both runs' losses and weights."""
+    plain = LinearEndedCheckpoint(checkpointed=False, frozen=frozen)
+    opt = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=lr)
+    got, want = [], []
+    for step in range(steps):
+        x, y = local_batch(step, 0, 0, 1)  # the global batch (8 samples)
+        share = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        opt.zero_grad()
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+        mine = loss_fn(engine(x[share]), y[share])
+        engine.backward(mine)
+        engine.step()
+        got.append(float(mine.detach()))
+    return {"got": got, "want": want, "params": gathered(engine.module),
+            "plain": [p.detach().clone() for p in plain.parameters()]}
+
+
+@pytest.mark.parametrize("frozen", [(), (0,)], ids=["trainable", "first-layer-frozen"])
+def test_non_reentrant_checkpoint_ending_in_a_partitioned_linear(frozen):
+    """Hugging Face's gradient checkpointing (non-reentrant) of blocks ending in a partitioned
+    Linear: the recompute must not release what backward still needs (autograd shapes the
+    gradient after the parameter). It failed with 'The size of tensor a (0) must match ...'."""
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    engine = build(config(), model=LinearEndedCheckpoint(frozen=frozen), optimizer=sgd)
+    run = checkpointed_vs_plain(engine, 3, 0.1, frozen)
+    torch.testing.assert_close(torch.tensor(run["got"]), torch.tensor(run["want"]), rtol=1e-5, atol=1e-6)
+    for got, ref in zip(run["params"], run["plain"]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    # and the weights moved (not a run where nothing trained)
+    assert not torch.equal(run["plain"][2], LinearEndedCheckpoint()[2].weight.detach())
+    # after backward every non-persistent parameter is released again
+    assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_rank_major_bucket_equals_padded_columns(world):
     """The reduce-scatter bucket (one copy per gradient) equals padding each flattened gradient

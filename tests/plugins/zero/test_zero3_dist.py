@@ -241,3 +241,27 @@ def test_checkpoint_resumes_at_2_ranks_from_2_and_from_1_rank(main_run, single_r
         assert rank_result["from_two"]["steps"] == 4
         _continues(rank_result["from_two"], main_run[0]["uninterrupted"], rtol=0, atol=0)
         _continues(rank_result["from_one"], single_resume["uninterrupted"], rtol=1e-2, atol=1e-2)
+
+
+def _checkpointed_job():
+    from dsplug import comm
+    from tests.plugins.zero.test_zero3 import LinearEndedCheckpoint, checkpointed_vs_plain
+
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    engine = build(config(WORLD), model=LinearEndedCheckpoint(), optimizer=sgd)
+    run = checkpointed_vs_plain(engine, 3, 0.1, rank=comm.get_rank(), world=WORLD)
+    run["partition_sizes"] = [p.ds_tensor.numel() for p in engine.module.parameters()]
+    return run
+
+
+def test_non_reentrant_checkpoint_of_partitioned_parameters_at_2_ranks():
+    """Blocks ending in a Linear under torch.utils.checkpoint(use_reentrant=False), each rank on
+    its half of the batch, equal plain PyTorch without checkpointing on the whole batch."""
+    runs = run_distributed(_checkpointed_job, WORLD, timeout=300)
+    sizes = [(p.numel() + 1) // 2 for p in SeededMLP().parameters()]
+    mean = torch.tensor([r["got"] for r in runs]).mean(0)  # each rank's loss is over its half
+    for run in runs:
+        assert run["partition_sizes"] == sizes  # partitioned, each rank a half
+        torch.testing.assert_close(mean, torch.tensor(run["want"]), rtol=1e-5, atol=1e-6)
+        for got, ref in zip(run["params"], run["plain"]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
