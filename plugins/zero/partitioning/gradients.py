@@ -9,14 +9,21 @@ import torch
 
 def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
                        global_norm: Callable[[List[torch.Tensor]], float],
-                       norm_always: bool = True) -> Tuple[bool, Optional[float]]:
+                       norm_always: bool = True, deferred=None) -> Tuple[bool, Optional[float]]:
     """Unscale (``precision.unscale_``), take the global norm, detect overflow when
     ``precision.checks_overflow`` (and tell ``precision.update_scale``), clip to ``clip``. Returns
     ``(apply_step, norm)``; ``apply_step`` is False when an overflow means the step must be
     skipped. ``global_norm`` sees this rank's gradients and must return the norm over all ranks.
     With ``norm_always`` False the norm is only computed when clipping or the overflow check
-    needs it (else None)."""
+    needs it (else None).
+
+    ``deferred``: gradients not in ``grads`` (swapped out, e.g. stage 3's
+    :class:`~dsplug.plugins.zero.stage3.offload_grads.SwappedGradients`): the unscaling and the
+    clipping coefficient are folded into its ``scale(factor)`` (applied when it is read back), and
+    ``global_norm`` must count them."""
     precision.unscale_(grads)
+    if deferred is not None and precision.loss_scale != 1.0:
+        deferred.scale(1.0 / precision.loss_scale)
     checks = precision.checks_overflow
     norm = global_norm(grads) if norm_always or clip > 0 or checks else None
     overflow = checks and not math.isfinite(norm)
@@ -24,7 +31,10 @@ def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
     if overflow:
         return False, norm
     if norm is not None and clip > 0 and norm > clip:
-        torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        if grads:
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        if deferred is not None:
+            deferred.scale(clip / (norm + 1e-6))
     return True, norm
 
 

@@ -193,13 +193,14 @@ def test_nvme_offload_trains_like_no_offload(tmp_path, precision, pipeline):
 
 
 @pytest.mark.parametrize("buffers,read,write,reads_ahead,overlapped_writes", [
-    (9, True, True, "all", "all"), (6, True, True, "all", "last"), (6, False, True, "none", "all"),
-    (4, True, True, "none", "none"), (9, False, False, "none", "none")])
+    (11, True, True, "all", "all"), (8, True, True, "all", "last"), (7, False, True, "none", "all"),
+    (5, True, True, "none", "none"), (11, False, False, "none", "none")])
 def test_pipelining_overlaps_the_next_read_and_the_last_writes_with_the_step(tmp_path, buffers, read, write,
                                                                             reads_ahead, overlapped_writes):
-    """Adam swaps 3 tensors per sub-group: reading the next one ahead needs 6 buffers, also leaving the
-    previous one's writes running needs 9 (with 6, reading ahead wins: only the last sub-group of a
-    step, which reads nothing ahead, overlaps writes). Counted per step over the sub-groups after the first."""
+    """Adam reads 4 tensors per sub-group (master, gradient, two moments) and writes 3 back: reading
+    the next one ahead needs 8 buffers, also leaving the previous one's writes running needs 11 (with 8,
+    reading ahead wins: only the last sub-group of a step, which reads nothing ahead, overlaps writes).
+    Counted per step over the sub-groups after the first."""
     zero = {"offload_optimizer": nvme(tmp_path, buffer_count=buffers, pipeline_read=read, pipeline_write=write),
             "sub_group_size": 200}
     engine = engine_for(zero)
@@ -457,8 +458,8 @@ def test_a_too_small_disk_is_refused_before_training_with_the_bytes(tmp_path, mo
     with pytest.raises(swap.SwapError) as err:
         engine_for({"offload_optimizer": nvme(tmp_path)})
     message = str(err.value)
-    # fp32 master + exp_avg + exp_avg_sq of the 987 partition elements
-    assert f"'{tmp_path}'" in message and f"needs 11.6 KiB ({987 * 12} bytes)" in message
+    # fp32 master + fp32 gradient + exp_avg + exp_avg_sq of the 987 partition elements
+    assert f"'{tmp_path}'" in message and f"needs 15.4 KiB ({987 * 16} bytes)" in message
     assert "only 8.0 KiB (8192 bytes) are available" in message
     assert os.listdir(tmp_path) == []
 
@@ -476,7 +477,7 @@ def test_optimizer_buffer_count_must_hold_a_sub_group(tmp_path):
     from dsplug.plugins.offload.swap import SwapError
 
     with pytest.raises(SwapError, match=r"buffer_count = 2 is too small: .* 2 optimizer state\(s\) "
-                                        r"\(exp_avg, exp_avg_sq\) .* at least 3 buffers"):
+                                        r"\(exp_avg, exp_avg_sq\) .* at least 4 buffers"):
         engine_for({"offload_optimizer": nvme(tmp_path, buffer_count=2)})
 
 
