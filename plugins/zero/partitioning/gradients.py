@@ -21,7 +21,8 @@ def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
     :class:`~dsplug.plugins.zero.stage3.offload_grads.SwappedGradients`): the unscaling and the
     clipping coefficient are folded into its ``scale(factor)`` (applied when it is read back), and
     ``global_norm`` must count them."""
-    precision.unscale_(grads)
+    if grads:  # (all of them may be deferred)
+        precision.unscale_(grads)
     if deferred is not None and precision.loss_scale != 1.0:
         deferred.scale(1.0 / precision.loss_scale)
     checks = precision.checks_overflow

@@ -192,6 +192,45 @@ def test_nvme_offload_trains_like_no_offload(tmp_path, precision, pipeline):
     assert os.listdir(tmp_path) == []  # destroy() removed the private directories
 
 
+@pytest.mark.parametrize("precision,gas,clip", [("fp16", 2, 0.3), ("bf16", 2, 0.3), (None, 1, 0.05)])
+def test_swapped_gradients_train_like_no_offload_and_are_not_held_in_memory(tmp_path, precision, gas, clip):
+    """With offload_optimizer on nvme the host share's gradients live in swap files: no gradient
+    partition stays in memory after backward, the loss-scale unscaling and the clipping coefficient
+    reach them at the step (fp16 / clipped runs equal the run without offloading), gradient
+    accumulation rounds like the in-memory bf16 partitions, and the full gradient reads back."""
+    zero = {"offload_optimizer": nvme(tmp_path, buffer_count=4), "sub_group_size": 200}
+
+    def go(zero_section):
+        cfg = config(1, gas=gas, clip=clip, precision=precision, **zero_section)
+        cfg["optimizer"] = ADAMW
+        engine, *_ = dsplug.initialize(model=SeededMLP(), config=cfg)
+        try:
+            losses = train(engine, 2)
+            # one more backward: the gradients as they stand before the step
+            from tests.engine_common import loss_fn
+            from tests.plugins.zero.test_zero3 import local_batch
+
+            x, y = local_batch(2, 0, 0, 1)
+            engine.backward(loss_fn(engine(x.to(engine.precision.model_dtype)), y))
+            grads = [dsplug.utils.safe_get_full_grad(p).float().clone() for p in engine.module.parameters()]
+            store = engine.stage.store
+            held = [g.grad for g in engine.stage.groups if g.grad is not None] + \
+                [g.host_grad for g in engine.stage.groups if getattr(g, "host_grad", None) is not None]
+            engine.step()
+            return {"losses": losses, "params": gathered(engine.module), "grads": grads, "held": held,
+                    "swapped": getattr(store, "grads", None)}
+        finally:
+            engine.destroy()
+
+    got, want = go(zero), go({})
+    assert got["swapped"] is not None and want["swapped"] is None
+    assert got["held"] == []  # ratio 1: every gradient partition is in the swap files
+    tol = TIGHT if precision is None else dict(rtol=2e-3, atol=2e-3)
+    assert_same(got, want, tol)
+    for a, b in zip(got["grads"], want["grads"]):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("buffers,read,write,reads_ahead,overlapped_writes", [
     (11, True, True, "all", "all"), (8, True, True, "all", "last"), (7, False, True, "none", "all"),
     (5, True, True, "none", "none"), (11, False, False, "none", "none")])
