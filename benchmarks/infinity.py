@@ -225,7 +225,7 @@ def main() -> int:
     p.add_argument("--prefetch", type=float, default=2e8, help="stage3_prefetch_bucket_size (elements)")
     p.add_argument("--max-live", type=float, default=4e8, help="stage3_max_live_parameters (elements)")
     p.add_argument("--param-buffers", type=int, default=5, help="offload_param.buffer_count")
-    p.add_argument("--opt-buffers", type=int, default=11, help="offload_optimizer.buffer_count")
+    p.add_argument("--opt-buffers", type=int, default=8, help="offload_optimizer.buffer_count")
     p.add_argument("--skip-check", action="store_true", help="skip the small-width plain-vs-offload check")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
