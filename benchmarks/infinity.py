@@ -218,7 +218,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--small-width", type=int, default=256)
     p.add_argument("--small-layers", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--sub-group", type=float, default=2.5e7, help="sub_group_size (elements)")
     p.add_argument("--bucket", type=float, default=5e7, help="reduce_bucket_size (elements)")
