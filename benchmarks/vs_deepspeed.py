@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-SIZES = {"4M": (1024, 4), "50M": (2048, 12)}
+SIZES = {"4M": (1024, 4), "50M": (2048, 12), "200M": (4096, 12)}
 VARIANTS = {
     "stage 0": {"stage": 0},
     "stage 1": {"stage": 1},

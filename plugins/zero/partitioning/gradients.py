@@ -23,15 +23,24 @@ def fp32_clip_coefficient(norm: float, clip: float) -> float:
 def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
                        global_norm: Callable[[List[torch.Tensor]], float],
                        norm_always: bool = True,
-                       coefficient: Callable[[float, float], float] = clip_coefficient) -> Tuple[bool, Optional[float]]:
+                       coefficient: Callable[[float, float], float] = clip_coefficient,
+                       deferred=None) -> Tuple[bool, Optional[float]]:
     """Unscale (``precision.unscale_``), take the global norm, detect overflow when
     ``precision.checks_overflow`` (and tell ``precision.update_scale``), clip to ``clip``. Returns
     ``(apply_step, norm)``; ``apply_step`` is False when an overflow means the step must be
     skipped. ``global_norm`` sees this rank's gradients and must return the norm over all ranks.
     With ``norm_always`` False the norm is only computed when clipping or the overflow check
     needs it (else None). ``coefficient(norm, clip)``: the factor the gradients are multiplied by
-    when ``norm > clip``."""
-    precision.unscale_(grads)
+    when ``norm > clip``.
+
+    ``deferred``: gradients not in ``grads`` (swapped out, e.g. stage 3's
+    :class:`~dsplug.plugins.zero.stage3.offload_grads.SwappedGradients`): the unscaling and the
+    clipping coefficient are folded into its ``scale(factor)`` (applied when it is read back), and
+    ``global_norm`` must count them."""
+    if grads:  # (all of them may be deferred)
+        precision.unscale_(grads)
+    if deferred is not None and precision.loss_scale != 1.0:
+        deferred.scale(1.0 / precision.loss_scale)
     checks = precision.checks_overflow
     norm = global_norm(grads) if norm_always or clip > 0 or checks else None
     overflow = checks and not math.isfinite(norm)
@@ -39,7 +48,11 @@ def unscale_check_clip(grads: List[torch.Tensor], precision, clip: float,
     if overflow:
         return False, norm
     if norm is not None and clip > 0 and norm > clip:
-        torch._foreach_mul_(grads, coefficient(norm, clip))
+        factor = coefficient(norm, clip)
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        if deferred is not None:
+            deferred.scale(factor)
     return True, norm
 
 

@@ -63,6 +63,15 @@ class TraceState(enum.Enum):
     INVALID = 3  # this pass departed from the trace; record again from the next pass
 
 
+class _SavedParam:
+    """What autograd keeps of a saved view of a gathered parameter (see ParamCoordinator._pack)."""
+
+    __slots__ = ("param", "shape", "stride", "offset")
+
+    def __init__(self, param, shape, stride, offset):
+        self.param, self.shape, self.stride, self.offset = param, shape, stride, offset
+
+
 class _PreBackward(torch.autograd.Function):
     """Identity on a module's outputs; its backward gathers the module's parameters."""
 
@@ -108,6 +117,8 @@ class ParamCoordinator:
         self.backward_fetched: set = set()  # ds_ids a _PreBackward fetched this pass (see _release_after_forward)
         self.passes = 0
         self._hooks = []
+        #: the saved-tensor hooks entered for the root's forward (None outside it)
+        self._saving = None
 
     # ------------------------------------------------------------------ installation
     def install(self) -> None:
@@ -134,6 +145,9 @@ class ParamCoordinator:
     def _pre_forward(self, module, inputs):
         if module is self.root and not self.in_backward:
             self.end_pass()  # a new pass starts; drops what a forward without backward left behind
+            if torch.is_grad_enabled() and self._saving is None:
+                self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saving.__enter__()
         params = self.unit(module)
         index = self._record(module) if params else None
         self.active.append(index)
@@ -153,7 +167,39 @@ class ParamCoordinator:
                 output = self._wrap_outputs(module, output)
         if module is self.root and not self.in_backward and not torch.is_grad_enabled():
             self.end_pass()  # no backward follows a forward without grad
+        if module is self.root and self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.__exit__(None, None, None)
         return output
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack(self, tensor):
+        """Autograd saves a gathered parameter's value (or a view of it, e.g. the transposed weight of a
+        linear) for backward: save a reference to the parameter instead, so that releasing the
+        parameter after its module's forward frees its full value (else every layer's full weights
+        stay alive until its backward: the whole model at the end of forward), and unpack the
+        value gathered again for backward."""
+        if tensor.device.type == "meta" or tensor.layout is not torch.strided:
+            return tensor
+        ptr = tensor.data_ptr()
+        for p in self.partitioner.live.values():
+            data = p.data
+            start = data.data_ptr()
+            if p.ds_persist or not data.numel() or data.dtype != tensor.dtype or not start <= ptr < start + \
+                    data.numel() * data.element_size():
+                continue
+            return _SavedParam(p, tuple(tensor.shape), tuple(tensor.stride()),
+                               tensor.storage_offset() - data.storage_offset())
+        return tensor
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParam):
+            return saved
+        p = saved.param
+        if p.ds_status is not ZeroParamStatus.AVAILABLE:
+            self._fetch([p], None, evict=False)
+        data = p.data
+        return data.as_strided(saved.shape, saved.stride, data.storage_offset() + saved.offset)
 
     def _wrap_outputs(self, module, output):
         leaves, spec = tree_flatten(output)

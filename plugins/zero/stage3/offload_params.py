@@ -10,8 +10,9 @@ contract (:class:`dsplug.contracts.OffloadDevice`).
   parameters, up to ``max_in_cpu`` partition elements in all, stay in host memory; every other
   partition is stored in the device on its own and ``p.ds_tensor`` is a placeholder without
   memory (:func:`placeholder`). A gather reads the partitions into ``buffer_count`` swap buffers
-  of ``buffer_size`` elements (several small partitions share a buffer), sends from there and
-  gives the buffer back when the all-gather is waited for; with every buffer in use, the oldest
+  of ``buffer_size`` elements (several small partitions share a buffer); the reads are waited for,
+  and the all-gather sent from the buffer, when the gather is waited for (so the reads of prefetched
+  parameters overlap compute), and the buffer goes back then; with every buffer in use, the oldest
   gather is completed first. Writes (the updated partitions after a step, ``GatheredParameters``
   with a modifier rank, module loads) go through :meth:`store_piece` / :meth:`store_pieces`.
 """
@@ -25,7 +26,7 @@ import torch
 from dsplug.contracts.offload import BYTE_ADDRESSABLE, OffloadDevice, OffloadError, Stored
 
 from ..partitioning.offload import SwapBufferPool
-from .partitioned_param import GatherHandle, ParamPartitioner
+from .partitioned_param import GatherHandle, ParamPartitioner, ZeroParamStatus
 
 
 def placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -83,17 +84,44 @@ class StoredParamPartitioner(ParamPartitioner):
 
 
 class _BufferedGather(GatherHandle):
-    """A gather whose partitions were read into a swap buffer: the buffer goes back on ``wait()``."""
+    """Partitions being read into a swap buffer. The reads are only waited for in ``wait()``, where
+    the all-gather starts from the buffer, so a prefetched gather's reads run while the modules
+    before it compute; the buffer goes back when the all-gather is done. (All-gathers start in
+    ``wait()`` order, which, like the gather order, is the same on every rank.)"""
 
-    def __init__(self, partitioner: "SwappedParamPartitioner", params, buffer: torch.Tensor):
-        self.buffer = buffer
-        super().__init__(partitioner, params)
+    def __init__(self, partitioner: "SwappedParamPartitioner", params, buffer: torch.Tensor, reads, staged):
+        self.partitioner = partitioner
+        self.params = params
+        self.sizes = [p.ds_tensor.numel() for p in params]
+        self.buffer, self.reads, self.staged = buffer, reads, staged
+        self.op, self.quantized, self.fulls, self.works, self.packed = None, [False] * len(params), [], [], None
+        self.started = False
+        self.done = False
+        for p in params:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+            p._ds_handle = self
+
+    def buffers(self) -> List[torch.Tensor]:
+        return [self.buffer] + (super().buffers() if self.started else [])
 
     def wait(self) -> None:
         if self.done:
             return
-        super().wait()
-        self.partitioner._finished(self)
+        partitioner = self.partitioner
+        try:
+            for work in self.reads:
+                work.wait()
+            partitioner._staged.update(self.staged)
+            try:
+                GatherHandle.__init__(self, partitioner, self.params)  # the all-gather, from the staged pieces
+            finally:
+                for key in self.staged:
+                    partitioner._staged.pop(key, None)
+            self.started = True
+            super().wait()
+        finally:
+            self.done = True
+            partitioner._finished(self)
 
 
 class SwappedParamPartitioner(StoredParamPartitioner):
@@ -229,31 +257,31 @@ class SwappedParamPartitioner(StoredParamPartitioner):
         return handles
 
     def _gather_from_device(self, params: List[torch.nn.Parameter]) -> _BufferedGather:
+        """Start reading ``params``' partitions into a free buffer (the gather itself starts on ``wait()``)."""
         while self.pool.free == 0:  # every buffer is in a gather in flight: complete the oldest
             self._outstanding[0].wait()
         buffer = self.pool.take()
-        offset, works = 0, []
+        offset, works, staged = 0, [], {}
         try:
             for p in params:
                 k = p.ds_tensor.numel()
                 works.append(self.offload_device.read(self.swapped[p.ds_id], buffer[offset:offset + k]))
-                self._staged[p.ds_id] = buffer[offset:offset + k]
+                staged[p.ds_id] = buffer[offset:offset + k]
                 offset += k
             self.reads += len(params)
+            handle = _BufferedGather(self, params, buffer, works, staged)
+        except BaseException:
             for work in works:
                 work.wait()
-            handle = _BufferedGather(self, params, buffer)
-        except BaseException:
             self.pool.give(buffer)
             raise
-        finally:
-            self._staged.clear()
         self._outstanding.append(handle)
         return handle
 
     def _finished(self, handle: _BufferedGather) -> None:
-        self._outstanding.remove(handle)
-        self.pool.give(handle.buffer)
+        if handle in self._outstanding:
+            self._outstanding.remove(handle)
+            self.pool.give(handle.buffer)
 
     # ------------------------------------------------------------------ lifecycle
     def resident_partitions(self) -> List[torch.Tensor]:

@@ -37,6 +37,7 @@ from dsplug.contracts.offload import BYTE_ADDRESSABLE, OffloadDevice, OffloadErr
 
 from ..partitioning.offload import (FP32, HALF, PlacedState, SplitOptimizer, SwapBufferPool, build_host_optimizer,
                                     host_share, is_cpu_optimizer, sub_groups)
+from .offload_grads import SwappedGradients
 from .offload_params import SwappedParamPartitioner
 
 
@@ -96,9 +97,11 @@ class OffloadGroup:
         dev_views = [self.dev_master[o - h:o - h + k] for o, k in zip(self.offsets[self.host_count:],
                                                                        self.sizes[self.host_count:])]
         self.views: List[torch.Tensor] = host_views + dev_views
-        self.host_grad = opt_device.host_tensor(h, FP32).zero_() if h else None
+        # a swapped host share's gradients are swapped too (.offload_grads), never held here whole
+        self.host_grad = opt_device.host_tensor(h, FP32).zero_() if h and not self.swapped_host else None
         self.grad: Optional[torch.Tensor] = None
-        self.grad_views: List[torch.Tensor] = []
+        self.grad_views: List[Optional[torch.Tensor]] = []
+        self.grad_dtype = FP32
         #: the host share's model-dtype partitions were written by the optimizer's step itself
         self.written_by_step = False
 
@@ -148,10 +151,30 @@ class OffloadGroup:
 
     # ------------------------------------------------------------------ gradients
     def allocate_grads(self, dtype) -> None:
+        """The gradient partitions: one flat buffer, or with a swapped host share only the device
+        share's (the host share's views are None: its pieces go to the store's SwappedGradients)."""
+        self.grad_dtype = dtype
+        if self.swapped_host:
+            h = self.host_numel
+            rest = sum(self.sizes) - h
+            self.grad = torch.zeros(rest, dtype=dtype, device=self.partitioner.device) if rest else None
+            self.grad_views = [None] * self.host_count + [self.grad[o - h:o - h + k] for o, k in
+                                                          zip(self.offsets[self.host_count:],
+                                                              self.sizes[self.host_count:])]
+            return
         self.grad = torch.zeros(sum(self.sizes), dtype=dtype, device=self.partitioner.device)
         self.grad_views = [self.grad[o:o + k] for o, k in zip(self.offsets, self.sizes)]
 
     def attach_grads(self) -> List[torch.Tensor]:
+        if self.swapped_host:  # the host share's gradients are read per sub-group by the step
+            if self.grad is None:
+                return []
+            rest = self.grad if self.grad.dtype == FP32 else self.grad.float()
+            h = self.host_numel
+            for view, o, k in zip(self.views[self.host_count:], self.offsets[self.host_count:],
+                                  self.sizes[self.host_count:]):
+                view.grad = rest[o - h:o - h + k]
+            return [rest]
         flat = self.grad if self.grad.dtype == FP32 else self.grad.float()
         h, out = self.host_numel, []
         if self.host_grad is not None:
@@ -265,6 +288,8 @@ class OffloadedPartitions:
         #: steps that ran while the previous sub-group's writes were in flight (pipeline_write)
         self.reads_ahead = 0
         self.steps_during_writes = 0
+        #: the swapped sub-groups' gradients (None: none swapped)
+        self.grads: Optional[SwappedGradients] = None
 
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, param_groups: List[dict], build_optimizer):
@@ -362,7 +387,10 @@ class OffloadedPartitions:
         elements = sum(u.numel for u in self.units)
         state_bytes = sum(torch.empty(0, dtype=d).element_size() for d in self.key_dtypes.values()) \
             if self.keys is not None else 4 * known
-        self.opt_device.reserve(elements * 4 + elements * state_bytes)  # refused here when there is no room
+        # fp32 master + fp32 gradient + state, refused here when there is no room
+        self.opt_device.reserve(elements * 8 + elements * state_bytes)
+        self.grads = SwappedGradients(self, {(gi, i): p.requires_grad for gi, grp in enumerate(self.groups)
+                                             for i, p in enumerate(grp.params)})
         self.pool = SwapBufferPool(self.opt_device, int(config.buffer_count), largest * 4, torch.uint8)
         init_states = self.keys is not None and not config.fast_init
         with torch.no_grad():
@@ -383,26 +411,27 @@ class OffloadedPartitions:
                 self.pool.give(buffer)
 
     def _stored(self, u: _Unit, key: str) -> Stored:
-        """The stored tensor of unit ``u``'s ``key`` ("master" or a state), allocated on first use."""
+        """The stored tensor of unit ``u``'s ``key`` ("master", "grad" or a state), allocated on first use."""
         found = self.stored.get((u.gi, u.si, key))
         if found is None:
-            dtype = FP32 if key == "master" else self.key_dtypes[key]
+            dtype = FP32 if key in ("master", "grad") else self.key_dtypes[key]
             found = self.stored[(u.gi, u.si, key)] = self.opt_device.allocate(u.name(key), u.numel, dtype)
         return found
 
     def _check_buffer_count(self, states: int) -> None:
-        need = 1 + states
+        need = 2 + states
         count = int(self.opt_config.buffer_count)
         if count < need:
             names = ", ".join(self.keys or []) or "its state"
             raise OffloadError(f"zero_optimization.offload_optimizer.buffer_count = {count} is too small: each "
-                               f"sub-group swaps its fp32 master and {states} optimizer state(s) ({names}) through "
+                               f"sub-group swaps its fp32 master, its fp32 gradient and {states} optimizer state(s) "
+                               f"({names}) through "
                                f"the buffer pool, so at least {need} buffers are needed ({2 * need} to overlap reading "
                                "the next sub-group with the step)")
 
     # ------------------------------------------------------------------ swapped: the step
     def _needs(self, u: _Unit) -> int:
-        return 1 + len(self.on_disk.get((u.gi, u.si), []))
+        return 2 + len(self.on_disk.get((u.gi, u.si), []))  # master, gradient, the state stored so far
 
     def _take(self, n: int, latest: Optional[int] = None) -> Optional[List[torch.Tensor]]:
         """``n`` buffers from the pool, completing writes in flight as needed: those of other write
@@ -417,9 +446,12 @@ class OffloadedPartitions:
 
     def _read(self, u: _Unit, buffers: List[torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], List[Work]]:
         """Start reading unit ``u`` into ``buffers``: ``({"master" | state: tensor}, works)``."""
-        out = {"master": buffers[0][:u.numel * 4].view(FP32)}
+        out = {"master": buffers[0][:u.numel * 4].view(FP32), "grad": buffers[1][:u.numel * 4].view(FP32)}
         works = [self.opt_device.read(self._stored(u, "master"), out["master"])]
-        for key, buf in zip(self.on_disk.get((u.gi, u.si), []), buffers[1:]):
+        grad_read = self.grads.read(u, out["grad"])
+        if grad_read is not None:
+            works.append(grad_read)
+        for key, buf in zip(self.on_disk.get((u.gi, u.si), []), buffers[2:]):
             dtype = self.key_dtypes[key]
             out[key] = buf[:u.numel * _size(dtype)].view(dtype)
             works.append(self.opt_device.read(self._stored(u, key), out[key]))
@@ -433,11 +465,10 @@ class OffloadedPartitions:
             view.data = tensors["master"][a:b]
             entry = state[view]
             for key, t in tensors.items():
-                if key != "master":
+                if key not in ("master", "grad"):
                     entry[key] = t[a:b]
             if grads:
-                o = grp.offsets[i]
-                view.grad = grp.host_grad[o:o + (b - a)]
+                view.grad = tensors["grad"][a:b]
 
     def _detach(self, u: _Unit) -> None:
         grp = self.groups[u.gi]
@@ -518,6 +549,7 @@ class OffloadedPartitions:
                 tensors, reads = self._read(u, buffers)
             for work in reads:
                 work.wait()
+            self.grads.finish_read(tensors["grad"])
             ahead = None
             if config.pipeline_read and j + 1 < len(units):
                 following = units[j + 1]
@@ -530,7 +562,8 @@ class OffloadedPartitions:
             self._step_unit(u)
             if self.keys is None or any(k not in tensors for k in self.keys):
                 self._learn_keys(u)
-            self._write_unit(u, tensors, buffers, stream=j % 2)
+            self.pool.give(buffers[1])  # the gradient is consumed: its buffer is free before the writes
+            self._write_unit(u, tensors, buffers[:1] + buffers[2:], stream=j % 2)
             self._detach(u)
             if not config.pipeline_write:
                 self._finish_writes()

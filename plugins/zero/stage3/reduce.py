@@ -44,6 +44,9 @@ def rank_major_bucket(grads: List[torch.Tensor], sizes: List[int], world: int, d
 
 
 class GradientReducer:
+    #: reductions left in flight with ``overlap`` (the newest ones); a further bucket completes the oldest
+    IN_FLIGHT = 2
+
     def __init__(self, comm, rank: int, world_size: int, dtype: torch.dtype, bucket_elements: int,
                  prescale: bool, predivide: float, use_reduce_scatter: bool, overlap: bool,
                  accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None], quantized=None):
@@ -102,6 +105,10 @@ class GradientReducer:
         self.outstanding.append((work, mine, params, sizes, finish, whole))
         if not self.overlap:
             self._complete_all()
+        elif len(self.outstanding) > self.IN_FLIGHT:
+            # the oldest reduction has had a bucket's worth of backward to finish: take its result,
+            # so that at most IN_FLIGHT buckets (and their buffers) are held, whatever the model size
+            self._complete(self.outstanding[:len(self.outstanding) - self.IN_FLIGHT])
 
     def _take(self, numel: int, device) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements: the smallest kept one that is large enough,
@@ -121,7 +128,17 @@ class GradientReducer:
 
     def _complete_all(self) -> None:
         in_flight = len(self.outstanding)
-        for work, mine, params, sizes, finish, whole in self.outstanding:
+        self._complete(list(self.outstanding))
+        # keep the largest one or two (double buffering when reductions overlap backward): with
+        # overlap_comm every bucket of a pass is in flight until finish(), and keeping them all
+        # would hold a whole gradient's worth between steps
+        self._free = sorted(self._free, key=torch.Tensor.numel, reverse=True)[:min(max(in_flight, 1), 2)]
+
+    def _complete(self, entries) -> None:
+        """Wait for the reductions ``entries`` (the oldest in flight, in order) and accumulate them."""
+        for entry in entries:
+            self.outstanding.remove(entry)
+            work, mine, params, sizes, finish, whole = entry
             if finish is not None:
                 mine = finish()  # waits, dequantizes and sums (fp32)
             elif work is not None:
@@ -133,8 +150,3 @@ class GradientReducer:
                 self.accumulate(p, mine[offset:offset + k])
                 offset += k
             self._free.append(whole)
-        self.outstanding = []
-        # keep the largest one or two (double buffering when reductions overlap backward): with
-        # overlap_comm every bucket of a pass is in flight until finish(), and keeping them all
-        # would hold a whole gradient's worth between steps
-        self._free = sorted(self._free, key=torch.Tensor.numel, reverse=True)[:min(max(in_flight, 1), 2)]

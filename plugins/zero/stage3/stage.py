@@ -139,6 +139,9 @@ class InMemoryPartitions:
     The interface (``groups``, ``build_optimizer``, ``step``, ``materialized``, ``memory``,
     ``close``) is the seam an ``offload_device`` plugin fills with its own storage."""
 
+    #: gradient partitions kept outside the groups (an offload store's SwappedGradients); None here
+    grads = None
+
     def __init__(self, param_groups: List[dict], model_dtype, master_weights: bool, partitioner):
         self.groups = [_Group(g["params"], model_dtype, master_weights, partitioner.partition_device)
                        for g in param_groups]
@@ -271,7 +274,11 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def _accumulate(self, p, piece: torch.Tensor) -> None:
         gi, i = self.place[id(p)]
-        self.groups[gi].grad_views[i].add_(piece)
+        view = self.groups[gi].grad_views[i]
+        if view is None:  # a swapped sub-group's gradient (offload_optimizer on nvme)
+            self.store.grads.add(gi, i, piece)
+        else:
+            view.add_(piece)
 
     def before_backward(self, is_boundary: bool) -> None:
         """Gradients are reduce-scattered every micro-step (stage 3 keeps only partitions)."""
@@ -279,6 +286,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def after_backward(self) -> None:
         self.reducer.finish()
+        if self.store.grads is not None:
+            self.store.grads.end_backward()
         self.coordinator.in_backward = False
         self.coordinator.end_pass()
 
@@ -288,7 +297,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         if self.optimizer is None:
             raise RuntimeError("ZeRO stage 3: step() without an optimizer")
         grads = self._master_grads()
-        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, self._global_norm)
+        apply, self.last_grad_norm = unscale_check_clip(grads, self.precision, self.clip, self._global_norm,
+                                                        deferred=self.store.grads)
         if not apply:
             self.zero_grad()
             return False
@@ -307,6 +317,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         squares = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             squares += torch.linalg.vector_norm(g.double(), 2).to(device) ** 2
+        if self.store.grads is not None:
+            squares += self.store.grads.squares()
         self.comm.all_reduce(squares)
         return float(squares.sqrt())
 
@@ -336,6 +348,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             p.grad = None
         for grp in self.groups:
             grp.zero_grad()
+        if self.store.grads is not None:
+            self.store.grads.reset()
 
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> Dict[str, int]:
@@ -602,6 +616,9 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
     def full_grad(self, param) -> Optional[torch.Tensor]:
         where = self._where(param)
         grp = None if where is None else self.groups[where[0]]
+        if grp is not None and grp.grad_views and grp.grad_views[where[1]] is None:
+            grads = self.store.grads  # a swapped sub-group's gradient: read back (factor not applied yet)
+            return self._gather_piece(param, grads.piece(*where)) if grads.has_gradients() else None
         if grp is None or grp.grad is None:
             return None
         return self._gather_piece(param, grp.grad_views[where[1]])

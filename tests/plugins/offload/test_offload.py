@@ -192,14 +192,54 @@ def test_nvme_offload_trains_like_no_offload(tmp_path, precision, pipeline):
     assert os.listdir(tmp_path) == []  # destroy() removed the private directories
 
 
+@pytest.mark.parametrize("precision,gas,clip", [("fp16", 2, 0.3), ("bf16", 2, 0.3), (None, 1, 0.05)])
+def test_swapped_gradients_train_like_no_offload_and_are_not_held_in_memory(tmp_path, precision, gas, clip):
+    """With offload_optimizer on nvme the host share's gradients live in swap files: no gradient
+    partition stays in memory after backward, the loss-scale unscaling and the clipping coefficient
+    reach them at the step (fp16 / clipped runs equal the run without offloading), gradient
+    accumulation rounds like the in-memory bf16 partitions, and the full gradient reads back."""
+    zero = {"offload_optimizer": nvme(tmp_path, buffer_count=4), "sub_group_size": 200}
+
+    def go(zero_section):
+        cfg = config(1, gas=gas, clip=clip, precision=precision, **zero_section)
+        cfg["optimizer"] = ADAMW
+        engine, *_ = dsplug.initialize(model=SeededMLP(), config=cfg)
+        try:
+            losses = train(engine, 2)
+            # one more backward: the gradients as they stand before the step
+            from tests.engine_common import loss_fn
+            from tests.plugins.zero.test_zero3 import local_batch
+
+            x, y = local_batch(2, 0, 0, 1)
+            engine.backward(loss_fn(engine(x.to(engine.precision.model_dtype)), y))
+            grads = [dsplug.utils.safe_get_full_grad(p).float().clone() for p in engine.module.parameters()]
+            store = engine.stage.store
+            held = [g.grad for g in engine.stage.groups if g.grad is not None] + \
+                [g.host_grad for g in engine.stage.groups if getattr(g, "host_grad", None) is not None]
+            engine.step()
+            return {"losses": losses, "params": gathered(engine.module), "grads": grads, "held": held,
+                    "swapped": getattr(store, "grads", None)}
+        finally:
+            engine.destroy()
+
+    got, want = go(zero), go({})
+    assert got["swapped"] is not None and want["swapped"] is None
+    assert got["held"] == []  # ratio 1: every gradient partition is in the swap files
+    tol = TIGHT if precision is None else dict(rtol=2e-3, atol=2e-3)
+    assert_same(got, want, tol)
+    for a, b in zip(got["grads"], want["grads"]):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("buffers,read,write,reads_ahead,overlapped_writes", [
-    (9, True, True, "all", "all"), (6, True, True, "all", "last"), (6, False, True, "none", "all"),
-    (4, True, True, "none", "none"), (9, False, False, "none", "none")])
+    (11, True, True, "all", "all"), (8, True, True, "all", "last"), (7, False, True, "none", "all"),
+    (5, True, True, "none", "none"), (11, False, False, "none", "none")])
 def test_pipelining_overlaps_the_next_read_and_the_last_writes_with_the_step(tmp_path, buffers, read, write,
                                                                             reads_ahead, overlapped_writes):
-    """Adam swaps 3 tensors per sub-group: reading the next one ahead needs 6 buffers, also leaving the
-    previous one's writes running needs 9 (with 6, reading ahead wins: only the last sub-group of a
-    step, which reads nothing ahead, overlaps writes). Counted per step over the sub-groups after the first."""
+    """Adam reads 4 tensors per sub-group (master, gradient, two moments) and writes 3 back: reading
+    the next one ahead needs 8 buffers, also leaving the previous one's writes running needs 11 (with 8,
+    reading ahead wins: only the last sub-group of a step, which reads nothing ahead, overlaps writes).
+    Counted per step over the sub-groups after the first."""
     zero = {"offload_optimizer": nvme(tmp_path, buffer_count=buffers, pipeline_read=read, pipeline_write=write),
             "sub_group_size": 200}
     engine = engine_for(zero)
@@ -457,8 +497,8 @@ def test_a_too_small_disk_is_refused_before_training_with_the_bytes(tmp_path, mo
     with pytest.raises(swap.SwapError) as err:
         engine_for({"offload_optimizer": nvme(tmp_path)})
     message = str(err.value)
-    # fp32 master + exp_avg + exp_avg_sq of the 987 partition elements
-    assert f"'{tmp_path}'" in message and f"needs 11.6 KiB ({987 * 12} bytes)" in message
+    # fp32 master + fp32 gradient + exp_avg + exp_avg_sq of the 987 partition elements
+    assert f"'{tmp_path}'" in message and f"needs 15.4 KiB ({987 * 16} bytes)" in message
     assert "only 8.0 KiB (8192 bytes) are available" in message
     assert os.listdir(tmp_path) == []
 
@@ -476,7 +516,7 @@ def test_optimizer_buffer_count_must_hold_a_sub_group(tmp_path):
     from dsplug.plugins.offload.swap import SwapError
 
     with pytest.raises(SwapError, match=r"buffer_count = 2 is too small: .* 2 optimizer state\(s\) "
-                                        r"\(exp_avg, exp_avg_sq\) .* at least 3 buffers"):
+                                        r"\(exp_avg, exp_avg_sq\) .* at least 4 buffers"):
         engine_for({"offload_optimizer": nvme(tmp_path, buffer_count=2)})
 
 

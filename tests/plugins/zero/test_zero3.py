@@ -302,6 +302,26 @@ def test_reduce_bucket_size_and_reduce_scatter_choose_the_collectives():
         torch.testing.assert_close(results[name][2], results["one-bucket"][2], rtol=1e-6, atol=1e-7)
 
 
+def test_overlapped_reductions_complete_during_backward_with_two_in_flight():
+    """With overlap_comm, a bucket beyond GradientReducer.IN_FLIGHT completes the oldest reduction
+    during backward (its buffer is reused), so the buckets held do not grow with the model; the
+    result equals reducing one bucket at the end."""
+    want = train(build(config(stage3_param_persistence_threshold=10 ** 6)), 2)
+    engine = build(config(stage3_param_persistence_threshold=10 ** 6, reduce_bucket_size=1, overlap_comm=True))
+    reducer = engine.stage.reducer
+    seen = []
+    add = reducer.add
+
+    def counting_add(p, grad):
+        add(p, grad)
+        seen.append(len(reducer.outstanding))
+
+    reducer.add = counting_add
+    got = train(engine, 2)
+    assert len(seen) == 12 and max(seen) == reducer.IN_FLIGHT  # 6 parameters a backward, one bucket each
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_module_state_dict_gathers_allgather_bucket_size_elements_at_a_time():
     for bucket, gathers in ((10 ** 8, 1), (1, 6)):
         engine = build(config(allgather_bucket_size=bucket))
