@@ -237,12 +237,13 @@ def test_report_counts(capsys):
 
 # ------------------------------------------------------------------------------ the page's files
 def _page_context(unit: Unit) -> List[Block]:
-    """The file / plugin blocks before ``unit`` on its page (they exist in its working directory)."""
+    """The file / plugin blocks before ``unit``'s last block on its page, not part of ``unit``
+    (they exist in its working directory)."""
     out = []
     for block in ALL_BLOCKS:
-        if block is unit.first:
+        if block is unit.blocks[-1]:
             break
-        if block.page == unit.first.page and block.verb in ("file", "plugin"):
+        if block.page == unit.first.page and block.verb in ("file", "plugin") and block not in unit.blocks:
             out.append(block)
     return out
 
