@@ -369,7 +369,7 @@ def validate_config(text: str, where: str) -> None:
     fragment is validated as that one section."""
     import warnings
 
-    from dsplug.config import DsplugConfig
+    from dsplug.config import ConfigError, DsplugConfig
     from dsplug.config.loader import load_raw
 
     stripped = text.strip()
@@ -378,10 +378,15 @@ def validate_config(text: str, where: str) -> None:
     assert data, f"{where}: empty config"
     if fragment:
         assert len(data) == 1, f"{where}: a fragment shows one section, this one has {sorted(data)}"
-        data.setdefault("train_micro_batch_size_per_gpu", 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notes and notices are fine in a doc example
-        DsplugConfig(data, world_size=1 if fragment else None)
+        try:
+            DsplugConfig(data, world_size=1 if fragment else None)
+        except ConfigError as exc:
+            # a fragment shows one section: give it the one batch size a config needs, if that is all it lacks
+            if not fragment or [i.path for i in exc.issues] != ["train_batch_size"]:
+                raise
+            DsplugConfig({**data, "train_micro_batch_size_per_gpu": 1}, world_size=1)
 
 
 def run_json(unit: Unit) -> None:
