@@ -188,6 +188,12 @@ def units() -> List[Unit]:
 
 
 UNITS = units()
+#: the whole text of a unit (a block and its continuations), by its first block's id
+_UNIT_TEXT = {u.id: u.text for u in UNITS}
+
+
+def _text_of(block: Block) -> str:
+    return _UNIT_TEXT.get(block.id, block.text)
 
 
 def tally() -> Tuple[Counter, List[str]]:
@@ -273,13 +279,13 @@ def _materialize(unit: Unit, cwd: Path) -> Tuple[List[Block], Optional[Path]]:
     for block in context:
         target = cwd / _path_of(block)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(block.text)
+        target.write_text(_text_of(block))
         if block.verb == "plugin" and _plugin_options(block)[0]:
             if site is None:
                 site = cwd.parent / (cwd.name + "-site")
             dest = site / _path_of(block)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(block.text)
+            dest.write_text(_text_of(block))
             entry_points[Path(_path_of(block)).stem] = _module_name(_path_of(block))
     if site is not None:
         from tests.conftest import write_distribution
@@ -466,7 +472,7 @@ def run_plugin(unit: Unit, cwd: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(cwd))
     _, config = _plugin_options(unit.first)
     context = [b for b in _page_context(unit) if b.verb == "plugin"]
-    modules = [_load_module(b, b.text, cwd) for b in context]
+    modules = [_load_module(b, _text_of(b), cwd) for b in context]
     module = _load_module(unit.first, unit.text, cwd)
     registry = make_registry(*modules, module, distribution=f"docs ({unit.first.page})")
     specs = _specs_of(module)
@@ -474,29 +480,30 @@ def run_plugin(unit: Unit, cwd: Path, monkeypatch) -> None:
         found = registry.find(spec.category, spec.name)
         assert found is not None and found.distribution.startswith("docs"), \
             f"{unit.id}: {spec.category} {spec.name} is not in the registry: " + registry.miss_message(spec.category, spec.name)
-    if config is None:
-        return
-    assert specs, f"{unit.id}: a config is given but the module registers no plugin spec"
-
-    def make():
-        return tiny_engine(config, registry=registry)
-
-    engine = make()
-    fresh = None
-    try:
-        for spec in specs:
-            if spec.category != "accelerator":
-                _check_selected(engine, spec, module)
-        losses = train_steps(engine, 2)
-        assert all(math.isfinite(x) for x in losses), losses
-        fresh = save_and_load(engine, cwd / "checkpoints", make)
-        assert fresh.global_steps == engine.global_steps
-        train_steps(fresh, 1)
-    finally:
-        engine.destroy()
-        if fresh is not None:
-            fresh.destroy()
     check = PLUGIN_CHECKS.get(_path_of(unit.first))
+    assert config is not None or check is not None or _plugin_options(unit.first)[0], \
+        f"{unit.id}: give the plugin a config to train with, install it for a later block, or add a check here"
+    if config is not None:
+        assert specs, f"{unit.id}: a config is given but the module registers no plugin spec"
+
+        def make():
+            return tiny_engine(config, registry=registry)
+
+        engine = make()
+        fresh = None
+        try:
+            for spec in specs:
+                if spec.category != "accelerator":
+                    _check_selected(engine, spec, module)
+            losses = train_steps(engine, 2)
+            assert all(math.isfinite(x) for x in losses), losses
+            fresh = save_and_load(engine, cwd / "checkpoints", make)
+            assert fresh.global_steps == engine.global_steps
+            train_steps(fresh, 1)
+        finally:
+            engine.destroy()
+            if fresh is not None:
+                fresh.destroy()
     if check is not None:
         check(module, registry, cwd)
 
@@ -509,18 +516,74 @@ def _check_stage4_refuses_bf16(module, registry, cwd):
 
 
 def _check_section_attributes(module, registry, cwd):
-    from dsplug.config import DsplugConfig, fill_auto
+    from dsplug.config import ConfigError, DsplugConfig
+    from dsplug.runtime.config import DeepSpeedConfig
 
     config = DsplugConfig({"train_batch_size": 1, "my_tuning": {"enabled": True, "level": 2}}, registry=registry)
     assert module.my_tuning_attributes(config) == {"my_tuning_enabled": True, "my_tuning_params": {"level": 2}}
+    ds = DeepSpeedConfig(config, world_size=1)
+    assert ds.my_tuning_enabled is True and ds.my_tuning_params == {"level": 2}
+    with pytest.raises(ConfigError, match="my_tuning.level: level 3 does not work with ZeRO stage 3"):
+        DsplugConfig({"train_batch_size": 1, "my_tuning": {"level": 3}, "zero_optimization": {"stage": 3}},
+                     registry=registry)
+
+
+def _check_accelerator(module, registry, cwd):
+    from dsplug.testing import contract_problems
+
+    assert contract_problems("accelerator", module.XpuAccelerator()) == []
+    import torch
+
+    if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        assert registry.find("accelerator", "xpu").spec.factory().is_available() is False
+
+
+def _check_estimates(module, registry, cwd):
+    from dsplug.config import DsplugConfig, fill_auto
+
+    config = DsplugConfig({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, world_size=8, registry=registry)
+    answer = registry.pm.hook.dsplug_estimate_model_state_bytes(num_params=1000, world_size=8, config=config)
+    assert answer["device"]["total"] == 16 * 1000, answer
+    other = DsplugConfig({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, world_size=8, registry=registry)
+    assert module.dsplug_estimate_model_state_bytes(num_params=1000, world_size=8, config=other) is None
     filled = fill_auto({"my_tuning": {"bucket_size": "auto"}}, hidden_size=64, registry=registry)
     assert filled["my_tuning"]["bucket_size"] == 64 * 64
 
 
+def _check_batch_sizes(module, registry, cwd):
+    from dsplug.config import ConfigError, DsplugConfig
+
+    config = DsplugConfig({"my_batching": {"enabled": True, "batch": 8, "micro": 2}}, world_size=2, registry=registry)
+    assert (config.kernel.train_batch_size, config.kernel.train_micro_batch_size_per_gpu,
+            config.kernel.gradient_accumulation_steps) == (8, 2, 2)
+    with pytest.raises(ConfigError, match="my_batching.batch: 8 does not split over 3 ranks"):
+        DsplugConfig({"my_batching": {"enabled": True, "batch": 8, "micro": 2}}, world_size=3, registry=registry)
+
+
+def _check_rank_local(module, registry, cwd):
+    from dsplug.testing import tiny_engine, tiny_model, train_steps
+
+    model = tiny_model()
+    model[2].bias.rank_local = True
+    groups = [{"params": [p for p in model.parameters() if p is not model[2].bias]}, {"params": [model[2].bias]}]
+    engine = tiny_engine({"zero_optimization": {"stage": 2}}, registry=registry, model=model, model_parameters=groups)
+    try:
+        assert "local" in engine.reduction_groups
+        reduction = registry.pm.hook.dsplug_param_reduction(param=model[2].bias, context=engine.context)
+        assert reduction is not None and reduction.divisor == 1
+        assert all(math.isfinite(x) for x in train_steps(engine, 2))
+    finally:
+        engine.destroy()
+
+
 #: more checks for particular plugin examples, by the file the marker names
 PLUGIN_CHECKS = {
+    "xpu_accelerator.py": _check_accelerator,
     "stage4.py": _check_stage4_refuses_bf16,
     "my_tuning.py": _check_section_attributes,
+    "estimates.py": _check_estimates,
+    "my_batching.py": _check_batch_sizes,
+    "rank_local.py": _check_rank_local,
 }
 
 
