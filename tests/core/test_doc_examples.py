@@ -47,12 +47,10 @@ own import paths: ``deepspeed`` does not import there.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -197,19 +195,29 @@ def _text_of(block: Block) -> str:
 
 
 def tally() -> Tuple[Counter, List[str]]:
-    """Counts of blocks by outcome, and the skipped blocks with their reasons."""
-    counts: Counter = Counter(found=len(ALL_BLOCKS))
+    """Counts of blocks by how they are run, and the skipped blocks with their reasons."""
+    counts: Counter = Counter()
     skipped = []
     for block in ALL_BLOCKS:
         if block.kind == "text":
-            counts["text (output, not code)"] += 1
+            counts["text"] += 1
         elif block.verb == "skip":
-            counts["skipped"] += 1
             skipped.append(f"{block.id} [{block.lang}] {block.arg}")
         else:
-            counts["run"] += 1
-            counts[f"run: {block.kind}" + (f" {block.verb}" if block.verb in ("plugin", "pytest", "file") else "")] += 1
+            how = {"plugin": "plugin module", "pytest": "pytest file", "file": "file"}.get(block.verb, "")
+            counts[" ".join(x for x in (block.kind, how) if x)] += 1
     return counts, skipped
+
+
+def summary() -> str:
+    counts, skipped = tally()
+    text = counts.pop("text", 0)
+    run = sum(counts.values())
+    lines = [f"doc code blocks: {len(ALL_BLOCKS)} found, {run} run, {len(skipped)} skipped, "
+             f"{text} text (output / formulas shown, not code)",
+             "  run: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))]
+    lines += ["  skipped:"] + [f"    {line}" for line in skipped]
+    return "\n".join(lines)
 
 
 def test_every_block_has_a_language_and_a_known_marker():
@@ -232,13 +240,11 @@ def test_python_files_are_used_by_a_later_block():
 
 
 def test_report_counts(capsys):
+    """Prints how many blocks were found, run and skipped (and why)."""
     counts, skipped = tally()
-    report = [f"{k}: {v}" for k, v in sorted(counts.items())] + ["skipped:"] + [f"  {s}" for s in skipped]
+    assert sum(counts.values()) + len(skipped) == len(ALL_BLOCKS)
     with capsys.disabled():
-        print("\ndoc blocks: " + "; ".join(report[:-len(skipped) - 1] if skipped else report))
-        for line in report[-len(skipped):] if skipped else []:
-            print(line)
-    assert counts["run"] + counts["skipped"] + counts["text (output, not code)"] == counts["found"]
+        print("\n" + summary())
 
 
 # ------------------------------------------------------------------------------ the page's files
@@ -493,7 +499,8 @@ def run_plugin(unit: Unit, cwd: Path, monkeypatch) -> None:
     for spec in specs:
         found = registry.find(spec.category, spec.name)
         assert found is not None and found.distribution.startswith("docs"), \
-            f"{unit.id}: {spec.category} {spec.name} is not in the registry: " + registry.miss_message(spec.category, spec.name)
+            f"{unit.id}: {spec.category} {spec.name} is not in the registry: " \
+            + registry.miss_message(spec.category, spec.name)
     check = PLUGIN_CHECKS.get(_path_of(unit.first))
     assert config is not None or check is not None or _plugin_options(unit.first)[0], \
         f"{unit.id}: give the plugin a config to train with, install it for a later block, or add a check here"
@@ -620,9 +627,4 @@ def test_doc_example(unit: Unit, tmp_path, monkeypatch, request):
 
 
 if __name__ == "__main__":
-    counts, skipped = tally()
-    for key, value in sorted(counts.items()):
-        print(f"{key:32} {value}")
-    print("skipped:")
-    for line in skipped:
-        print("  " + line)
+    print(summary())
