@@ -1,32 +1,16 @@
 """The zero_stage and offload_device examples of docs/writing-plugins.md run as written: each is
-loaded as a plugin module straight from the guide and passes its category's contract suite."""
+loaded as a plugin module straight from the guide (through the doc-test markers of
+tests/core/test_doc_examples.py, which also trains each one) and passes its category's contract
+suite."""
 from __future__ import annotations
-
-import pathlib
-import re
-import types
 
 import pytest
 
 from dsplug.testing import OffloadDeviceContract, ZeroStageContract, tiny_engine, train_steps
+from tests.core.test_doc_examples import plugin_example
 
-GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "writing-plugins.md"
-
-
-def example(heading: str) -> types.ModuleType:
-    """The first python block under ``## heading`` of the guide, executed as a module."""
-    text = GUIDE.read_text()
-    start = text.index(f"\n## {heading}\n")
-    end = text.find("\n## ", start + 1)
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.DOTALL)
-    assert blocks, f"docs/writing-plugins.md: no python example under '## {heading}'"
-    module = types.ModuleType(f"writing_plugins_{heading}")
-    exec(compile(blocks[0], f"{GUIDE}:{heading}", "exec"), module.__dict__)  # noqa: S102 - our own docs
-    return module
-
-
-STAGE4 = example("zero_stage")
-RAMDISK = example("offload_device")
+STAGE4 = plugin_example("stage4.py")
+RAMDISK = plugin_example("ramdisk.py")
 
 
 class TestGuideStage4(ZeroStageContract):
