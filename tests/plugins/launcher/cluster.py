@@ -89,19 +89,15 @@ StrictModes no
   BatchMode yes
 """
         self.config = root / "ssh_config"
+        # ssh takes the first value it finds for an option, except IdentityFile, which adds up
         self.config.write_text(f"""\
 Host {DENIED_HOST}
   IdentityFile {root / 'stranger_key'}
-{common}
 Host {SILENT_HOST}
   Port {self.silent_port}
+Host * !{DENIED_HOST}
   IdentityFile {root / 'client_key'}
-  IdentitiesOnly yes
-  StrictHostKeyChecking no
-  UserKnownHostsFile /dev/null
-  BatchMode yes
 Host *
-  IdentityFile {root / 'client_key'}
 {common}""")
         privsep = Path("/run/sshd")
         if not privsep.is_dir():
