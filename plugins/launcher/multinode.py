@@ -269,11 +269,43 @@ def _status(code: int) -> int:
     return code if code <= 255 else 1
 
 
+def _descendants(pid: int) -> List[int]:
+    """The processes below ``pid`` (from /proc; empty where there is none)."""
+    children: Dict[int, List[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the launcher's process group and to every process below it: pdsh starts each ssh
+    in a session of its own, out of reach of the group signal."""
+    below = _descendants(proc.pid)
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    for pid in below:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:

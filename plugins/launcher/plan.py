@@ -257,12 +257,14 @@ def execute(
                                             start_new_session=True)))
         status, handled = 0, 0
         failed_at: Optional[float] = None
+        stopped: List[NodeCommand] = []
         pending = list(running)
         while pending:
             if failed_at is not None and time.monotonic() - failed_at >= stop_others_after:
                 hosts = ", ".join(f"node {n.node_rank} ({n.host})" for n, _ in pending)
                 print(f"{name}: stopping {hosts}: still running {stop_others_after:g} s after a node failed",
                       file=sys.stderr, flush=True)
+                stopped.extend(node for node, _proc in pending)
                 _stop(pending)
                 failed_at = None
             if len(received) > handled:
@@ -280,15 +282,18 @@ def execute(
                 if code is None:
                     continue
                 pending.remove(item)
-                if code != 0 and status == 0:
-                    status = exit_status(code)
-                    if received and status == 128 + received[0]:
+                if code != 0:
+                    node_status = exit_status(code)
+                    if received and node_status == 128 + received[0]:
                         continue  # stopped by the signal it was sent: expected, not a failure to report
+                    if stopped and node in stopped:
+                        continue  # stopped here after another node failed
+                    status = status or node_status  # the first failure decides the exit status
                     where = f"node {node.node_rank} ({node.host})" if plan.multi_node else "the local workers"
                     why = " (ssh's own failure: the host could not be reached, refused the connection, or the " \
-                          "connection dropped)" if node.remote and status == 255 else ""
-                    print(f"{name}: {where} exited with status {status}{why}", file=sys.stderr, flush=True)
-                    if stop_others_after is not None and not received:
+                          "connection dropped)" if node.remote and node_status == 255 else ""
+                    print(f"{name}: {where} exited with status {node_status}{why}", file=sys.stderr, flush=True)
+                    if stop_others_after is not None and not received and failed_at is None and not stopped:
                         failed_at = time.monotonic()
             if pending:
                 time.sleep(poll_interval)

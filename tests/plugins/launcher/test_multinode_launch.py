@@ -219,3 +219,40 @@ def test_a_rank_dying_on_the_remote_host_stops_every_host(ssh_cluster, tmp_path,
     left = wait_no_processes(str(tmp_path), scaled(10))
     assert left == [], left
     print(f"{launcher}: rank 3 on 127.0.0.2 died; launcher exited 13 after {took:.1f} s (incl. start-up)")
+
+
+HANG = "import os, sys, time\nopen(os.path.join(sys.argv[-1], 'ready-' + os.environ['RANK']), 'w').close()\ntime.sleep(600)\n"
+
+
+@pytest.mark.parametrize("launcher", ["pdsh", "ssh"])
+def test_stopping_the_launcher_stops_every_host(ssh_cluster, tmp_path, launcher):
+    """Workers that would run for 10 minutes: SIGTERM to `dsplug launch` leaves no process on any host
+    (each remote agent sees its ssh connection close and stops its workers)."""
+    import signal
+
+    if launcher == "pdsh":
+        need("pdsh", package="pdsh")
+    (tmp_path / "hang.py").write_text(HANG)
+    hostfile = ssh_cluster.hostfile(tmp_path / "hostfile")
+    args = ["--hostfile", hostfile, "--launcher", launcher, "--master_port", free_port(), "--no_local_rank"]
+    if launcher == "ssh":
+        args.append(f"--launcher_args=-F {ssh_cluster.config}")
+    env = {**os.environ, **ssh_cluster.env()}
+    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", "launch", *map(str, args), "hang.py", str(tmp_path)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + scaled(120)
+        while not all((tmp_path / f"ready-{r}").exists() for r in range(4)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=scaled(60))
+        left = wait_no_processes(str(tmp_path), scaled(20))
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err
+    assert left == [], left
+    print(f"{launcher}: SIGTERM to the launcher; every process on both hosts gone after {took:.1f} s")

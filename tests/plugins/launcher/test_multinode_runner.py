@@ -320,3 +320,29 @@ def test_after_a_node_fails_the_others_are_stopped(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "node 1 (n1) exited with status 5" in err
     assert "stopping node 0 (n0): still running 0.5 s after a node failed" in err
+
+
+# ------------------------------------------------------------------------------ docs/multi-node.md
+def test_the_guides_hostfile_and_command_lines_are_valid():
+    """Every ``dsplug launch`` line of docs/multi-node.md parses, and its hostfile example reads; the
+    runs themselves are the tests of test_multinode_launch.py."""
+    import pathlib
+    import re
+
+    from dsplug.plugins.launcher import parse_hostfile_text
+    from dsplug.plugins.launcher.runner import parse_args
+
+    guide = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "multi-node.md").read_text()
+    (hostfile,) = re.findall(r"```text\n(.*?)```", guide, re.DOTALL)
+    assert parse_hostfile_text(hostfile) == {"worker-1": 4, "worker-2": 4}
+    commands = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", guide, re.DOTALL)]
+    assert len(commands) >= 5
+    for command in commands:
+        words = shlex.split(command)
+        while "=" in words[0]:  # VAR=value prefixes
+            words.pop(0)
+        assert words[:2] == ["dsplug", "launch"], command
+        args = parse_args(words[2:])
+        assert args.user_script == "train.py"
+        if args.launcher is not None:
+            assert args.launcher in multinode.LAUNCHERS
