@@ -296,7 +296,7 @@ def test_the_guides_hostfile_and_command_lines_are_valid():
     from dsplug.plugins.launcher.runner import parse_args
 
     guide = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "multi-node.md").read_text()
-    (hostfile,) = re.findall(r"```text\n(.*?)```", guide, re.DOTALL)
+    hostfile = re.findall(r"```text\n(.*?)```", guide, re.DOTALL)[0]  # the first: the hostfile example
     assert parse_hostfile_text(hostfile) == {"worker-1": 4, "worker-2": 4}
     commands = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", guide, re.DOTALL)]
     assert len(commands) >= 5
