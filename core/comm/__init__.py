@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import discovery, faults
 from .faults import ENV_TIMEOUT, CommError, operation  # noqa: F401  (public: dsplug.comm.CommError, ...)
 from .hooks import CommEvents
 
@@ -51,7 +51,9 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     """Initialise the default process group, like ``deepspeed.init_distributed``.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK) as torch's launcher sets
-    them. With none of them set, a world of one process is created on 127.0.0.1.
+    them. With ``auto_mpi_discovery`` (the default), a process started by ``mpirun`` or ``srun``
+    gets them from its launcher's variables first (:mod:`dsplug.comm.discovery`). With none of them
+    set, a world of one process is created on 127.0.0.1.
 
     ``timeout`` (a timedelta or seconds; default ``DSPLUG_COMM_TIMEOUT`` seconds, else 30 minutes)
     bounds every collective. When the group already exists, a given ``timeout`` (or the variable)
@@ -65,6 +67,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         return
     if dist_init_required is False:
         return
+    if auto_mpi_discovery:
+        discovery.discover(port=distributed_port)
     from ..accelerator import get_accelerator
 
     backend = dist_backend or get_accelerator().communication_backend_name()
@@ -137,6 +141,7 @@ def planned_world_size(dist_init_required: Optional[bool] = None) -> int:
         return get_world_size()
     if dist_init_required is False:
         return 1
+    discovery.discover()
     return int(os.environ.get("WORLD_SIZE", 1))
 
 

@@ -21,10 +21,14 @@ examples:
   dsplug launch --num_procs 4 train.py                       (CPU: 4 processes, gloo)
   dsplug launch --hostfile hosts --include 'worker-0@worker-1:0,2' train.py
   dsplug launch --hostfile hosts --num_nodes 2 --print_only train.py
+  dsplug launch --hostfile hosts --launcher openmpi --launcher_args='--allow-run-as-root' train.py
+  dsplug launch --hostfile hosts --launcher slurm train.py    (srun, inside a Slurm allocation)
   dsplug launch --elastic_training --min_elastic_nodes 1 --max_elastic_nodes 4 --master_addr HOST train.py
                                                              (elastic: run on each node; nodes may leave / join)
 
 hostfile lines: '<hostname> slots=<N>'; default hostfile: /job/hostfile (absent: this machine).
+several hosts: pdsh (default), ssh, openmpi, mvapich, mpich, impi or slurm start them (--launcher);
+docs/multi-node.md shows each.
 """
 
 
@@ -59,6 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force_multi", action="store_true",
                    help="use ssh even for a single node (e.g. one remote host)")
     p.add_argument("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
+    p.add_argument("--launcher", default=None, metavar="NAME", type=str.lower,
+                   help="what starts the processes of a multi-node job: pdsh (default when installed), ssh "
+                        "(dsplug: one ssh per node; default without pdsh), openmpi, mvapich, mpich, impi, slurm")
+    p.add_argument("--launcher_args", default="", metavar="ARGS",
+                   help="more arguments for the launcher command (pdsh / mpirun / srun options; ssh options with "
+                        "--launcher ssh), one shell-quoted string, e.g. --launcher_args='-F ~/.ssh/cluster_config'")
+    p.add_argument("--no_ssh_check", action="store_true",
+                   help="do not check that every host answers over ssh before a pdsh / ssh launch")
+    p.add_argument("--save_pid", action="store_true",
+                   help="write the launcher's pid to /tmp/<pid>.deepspeed while the job runs (on each node with pdsh)")
     p.add_argument("--autotuning", default="", choices=["tune", "run"],
                    help="tune the config's ZeRO stage and micro-batch size with real experiments first "
                         "(docs/autotuning.md); 'run' then trains with the best config")
@@ -78,6 +92,10 @@ def run(args) -> int:
 
     procs_per_node = args.num_gpus if args.num_gpus is not None else args.num_procs
     try:
+        if args.launcher is not None:
+            from .multinode import choose_launcher
+
+            choose_launcher(args.launcher)  # a misspelt name is an error even where one node runs locally
         request = LaunchRequest(
             script=args.user_script,
             script_args=tuple(args.user_args),
@@ -104,11 +122,81 @@ def run(args) -> int:
     overridden = _launch_override(args, plan.resources)
     if overridden is not None:
         return overridden
+    if plan.multi_node:
+        return _run_multi_node(args, request, plan)
     if args.print_only:
         for node in plan.nodes:
             print(node.display())
         return 0
-    return execute(plan)
+    with _pid_file(args):
+        return execute(plan)
+
+
+def _run_multi_node(args, request, plan) -> int:
+    """Start the job on several hosts through ``--launcher`` (:mod:`.multinode`)."""
+    import os
+    import shlex
+    import sys
+
+    from . import LaunchError, execute, multinode
+
+    try:
+        launcher = multinode.choose_launcher(args.launcher)
+        if args.elastic_training and launcher not in (multinode.PDSH, multinode.SSH):
+            raise LaunchError(f"--elastic_training needs --launcher pdsh or ssh (each node runs an elastic agent); "
+                              f"--launcher {launcher} starts the ranks itself")
+        hosts = list(plan.resources)
+        if launcher == multinode.SSH:
+            plan = multinode.ssh_plan(plan, args)
+            if args.print_only:
+                for node in plan.nodes:
+                    print(node.display())
+                return 0
+            if not args.no_ssh_check:
+                multinode.check_ssh_hosts(hosts, args.ssh_port, plan.nodes[0].ssh_args, os.environ)
+            with _pid_file(args):
+                return execute(plan, stop_others_after=None if args.elastic_training else multinode.STOP_GRACE_S)
+        hostfile = args.hostfile or request.default_hostfile
+        cmd, env = multinode.build_command(launcher, args, plan, hostfile, os.environ)
+        if args.print_only:
+            changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+            prefix = ["env", *(f"{k}={v}" for k, v in changed.items())] if changed else []
+            print(shlex.join(prefix + cmd))
+            return 0
+        if launcher == multinode.PDSH and not args.no_ssh_check:
+            multinode.check_pdsh_hosts(hosts, args.launcher_args, env)
+        with _pid_file(args):
+            return multinode.run_launcher(cmd, env, launcher, hosts, elastic=args.elastic_training)
+    except LaunchError as exc:
+        print(f"dsplug launch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class _pid_file:
+    """``--save_pid``: ``/tmp/<pid>.deepspeed`` holds this launcher's pid while the job runs."""
+
+    def __init__(self, args):
+        import os
+
+        self.path = f"/tmp/{os.getpid()}.deepspeed" if getattr(args, "save_pid", False) else None
+
+    def __enter__(self):
+        import os
+
+        if self.path:
+            with open(self.path, "w") as f:
+                f.write(str(os.getpid()))
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        return False
 
 
 def _launch_override(args, resources):

@@ -74,6 +74,7 @@ class NodeCommand:
     cwd: str
     remote: bool
     ssh_port: Optional[int] = None
+    ssh_args: Tuple[str, ...] = ()  # more ssh options (``--launcher ssh --launcher_args '-F cfg'``)
 
     def remote_shell_command(self) -> str:
         """The string the remote shell runs; every word is quoted."""
@@ -89,7 +90,7 @@ class NodeCommand:
         if not self.remote:
             return list(self.argv)
         port = ["-p", str(self.ssh_port)] if self.ssh_port is not None else []
-        return ["ssh", *port, self.host, self.remote_shell_command()]
+        return ["ssh", *port, *self.ssh_args, self.host, self.remote_shell_command()]
 
     def display(self) -> str:
         """A shell line equivalent to running this node's command (what ``--print_only`` shows)."""
@@ -221,6 +222,7 @@ def execute(
     popen: Callable[..., subprocess.Popen] = subprocess.Popen,
     poll_interval: float = 0.1,
     name: str = "dsplug launch",
+    stop_others_after: Optional[float] = None,
 ) -> int:
     """Start every node's command and wait; returns the first failing node's exit status, else 0.
 
@@ -230,6 +232,11 @@ def execute(
     ``dsplug train`` does). SIGTERM and SIGHUP are passed on the same way. A second signal stops
     every child at once (terminate, then kill). After a signal the result is the children's
     failure status, else ``128 + signal``. ``name`` prefixes the messages.
+
+    With ``stop_others_after`` (seconds; multi-node runs that are not elastic), once a node fails
+    the nodes still running get that long to end on their own (their ranks usually fail at once
+    when a peer is gone), then they are stopped: their ssh connections close, and each remote
+    node then stops its workers (``DSPLUG_LAUNCH_WATCH_STDOUT``, :mod:`.torchrun`).
     """
     base_env = dict(os.environ if environ is None else environ)
     received: List[int] = []
@@ -249,8 +256,17 @@ def execute(
                 running.append((node, popen(node.process_argv(), env={**base_env, **node.env}, cwd=node.cwd,
                                             start_new_session=True)))
         status, handled = 0, 0
+        failed_at: Optional[float] = None
+        stopped: List[NodeCommand] = []
         pending = list(running)
         while pending:
+            if failed_at is not None and time.monotonic() - failed_at >= stop_others_after:
+                hosts = ", ".join(f"node {n.node_rank} ({n.host})" for n, _ in pending)
+                print(f"{name}: stopping {hosts}: still running {stop_others_after:g} s after a node failed",
+                      file=sys.stderr, flush=True)
+                stopped.extend(node for node, _proc in pending)
+                _stop(pending)
+                failed_at = None
             if len(received) > handled:
                 if handled == 0:
                     _forward(running, received[0], name)
@@ -266,12 +282,19 @@ def execute(
                 if code is None:
                     continue
                 pending.remove(item)
-                if code != 0 and status == 0:
-                    status = exit_status(code)
-                    if received and status == 128 + received[0]:
+                if code != 0:
+                    node_status = exit_status(code)
+                    if received and node_status == 128 + received[0]:
                         continue  # stopped by the signal it was sent: expected, not a failure to report
+                    if stopped and node in stopped:
+                        continue  # stopped here after another node failed
+                    status = status or node_status  # the first failure decides the exit status
                     where = f"node {node.node_rank} ({node.host})" if plan.multi_node else "the local workers"
-                    print(f"{name}: {where} exited with status {status}", file=sys.stderr)
+                    why = " (ssh's own failure: the host could not be reached, refused the connection, or the " \
+                          "connection dropped)" if node.remote and node_status == 255 else ""
+                    print(f"{name}: {where} exited with status {node_status}{why}", file=sys.stderr, flush=True)
+                    if stop_others_after is not None and not received and failed_at is None and not stopped:
+                        failed_at = time.monotonic()
             if pending:
                 time.sleep(poll_interval)
         return status or (128 + received[0] if received else 0)

@@ -22,5 +22,9 @@ def dsplug_cli_commands():
 
 @hookimpl
 def dsplug_api_modules():
-    """DeepSpeed's ``deepspeed.launcher.runner`` functions (:mod:`.runner`)."""
-    return [ApiModule("dsplug.launcher.runner", "dsplug.plugins.launcher.runner")]
+    """DeepSpeed's ``deepspeed.launcher.runner`` functions (:mod:`.runner`), its runner classes
+    ``deepspeed.launcher.multinode_runner`` (:mod:`.multinode_runner`) and its per-node launcher
+    ``deepspeed.launcher.launch`` (:mod:`.launch`)."""
+    return [ApiModule("dsplug.launcher.runner", "dsplug.plugins.launcher.runner"),
+            ApiModule("dsplug.launcher.multinode_runner", "dsplug.plugins.launcher.multinode_runner"),
+            ApiModule("dsplug.launcher.launch", "dsplug.plugins.launcher.launch")]

@@ -419,7 +419,7 @@ def test_cli_print_only_multi_node(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(workdir)
     code = cli_main(["launch", "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "1", "--print_only",
-                     "--master_port", "3456", "train.py", "--deepspeed_config", "a b.json"])  # fmt: skip
+                     "--launcher", "ssh", "--master_port", "3456", "train.py", "--deepspeed_config", "a b.json"])  # fmt: skip
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2
@@ -452,7 +452,7 @@ def test_cli_no_hostfile_plans_this_machine_even_with_a_default_hostfile(tmp_pat
     assert words[0] != "ssh" and words[words.index("--nproc_per_node") + 1] == "2"
     assert words[words.index("--master_addr") + 1] == "127.0.0.1"
     assert requests[-1].default_hostfile == ""
-    assert cli_main(["launch", "--num_procs", "2", "--print_only", "t.py"]) == 0  # without: the hostfile's nodes
+    assert cli_main(["launch", "--num_procs", "2", "--print_only", "--launcher", "ssh", "t.py"]) == 0  # the hostfile's
     assert [shlex.split(l)[:2] for l in capsys.readouterr().out.strip().splitlines()] == [["ssh", "node-a"],
                                                                                          ["ssh", "node-b"]]
     with pytest.raises(SystemExit):  # one or the other
