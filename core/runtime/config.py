@@ -15,6 +15,8 @@ import json
 import warnings
 from typing import Any, Dict, Optional
 
+from dsplug.api_paths import plugin_names
+
 from ..config import ConfigError, DsplugConfig
 from .constants import *  # noqa: F401,F403 - DeepSpeed's runtime.config re-exports its constants
 
@@ -151,3 +153,6 @@ class DeepSpeedConfig:
 
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+
+# plugins add names here (the optimizer names ADAM_OPTIMIZER ... come from the optimizer plugins)
+__getattr__, __dir__ = plugin_names(__name__)

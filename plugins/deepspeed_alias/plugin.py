@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from dsplug.descriptors import CliCommand
+from dsplug.descriptors import ApiModule, CliCommand
 from dsplug.hookspecs import hookimpl
 
 HELP = "serve the 'deepspeed' name (import, metadata, launcher command) from dsplug in this environment (opt-in)"
@@ -63,3 +63,9 @@ COMMAND = CliCommand(name="deepspeed-alias", help=HELP, description=DESCRIPTION,
 @hookimpl
 def dsplug_cli_commands():
     return [COMMAND]
+
+
+@hookimpl
+def dsplug_api_modules():
+    """DeepSpeed's ``deepspeed.git_version_info`` (:mod:`.git_version_info`)."""
+    return [ApiModule("dsplug.git_version_info", "dsplug.plugins.deepspeed_alias.git_version_info")]
