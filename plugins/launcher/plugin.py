@@ -78,7 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
-def run(args) -> int:
+def run(args, raise_errors: bool = False) -> int:
+    """``dsplug launch``: the exit status. A launch refused before anything starts prints one error
+    line and returns 2, or with ``raise_errors`` raises the :class:`LaunchError` (a ValueError), as
+    DeepSpeed's ``deepspeed.launcher.runner.main`` does."""
     import sys
 
     from . import LaunchError, LaunchRequest, execute, plan_launch
@@ -108,6 +111,8 @@ def run(args) -> int:
         )
         plan = elastic_plan(plan_launch(request), request, args)
     except LaunchError as exc:
+        if raise_errors:
+            raise
         print(f"dsplug launch: error: {exc}", file=sys.stderr)
         return 2
     overridden = _launch_override(args, plan.resources)

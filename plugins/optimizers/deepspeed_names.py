@@ -2,7 +2,7 @@
 (``ADAM_OPTIMIZER = "adam"`` ...), for scripts that build config dicts with them. ``optimizer.type``
 matches case-insensitively, so these lower-case names select this package's optimizers:
 ``"adam"`` / ``"adamw"`` (:mod:`.adam`), ``"lamb"`` (:mod:`.lamb`), ``"adagrad"`` (:mod:`.adagrad`),
-``"lion"`` (:mod:`.lion`)."""
+and ``"lion"`` the third-party ``contrib/dsplug-lion`` plugin."""
 
 ADAM_OPTIMIZER = "adam"
 ADAMW_OPTIMIZER = "adamw"

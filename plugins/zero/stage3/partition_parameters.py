@@ -24,6 +24,11 @@ class ZeroParamType(enum.Enum):
     REMOTE = 3  # partitioned, with the partition somewhere else (offloaded)
 
 
+#: ``param.data.shape`` of a partitioned parameter while it is not gathered: an empty placeholder
+#: (the partition is ``param.ds_tensor``, the full shape ``param.ds_shape``)
+partitioned_param_data_shape = [0]
+
+
 class MultipleAllGatherHandles:
     """Several in-flight all-gathers waited as one (``ParamPartitioner.gather_async`` returns one
     handle per dtype). ``wait(**kwargs)`` waits each handle in order, passing the keyword arguments
@@ -69,7 +74,8 @@ def zero_init_enabled() -> bool:
     return bool(_patcher.active) and not _patcher.suspended
 
 
-__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "ZeroParamType", "is_zero_param",
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
+           "partitioned_param_data_shape", "ZeroParamType", "is_zero_param",
            "zero_wrapper_for_fp_tensor_constructor", "get_accelerator",
            "register_external_parameter", "restore_init_context", "shutdown_init_context",
            "unregister_external_parameter", "zero_init_enabled"]

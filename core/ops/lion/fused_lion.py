@@ -1,7 +1,8 @@
 """Lion with DeepSpeed FusedLion's arguments and semantics, on every device torch runs on.
 
 Importable as ``dsplug.ops.lion.FusedLion`` (the DeepSpeed import path; ``DeepSpeedCPULion``, the
-kernel's native CPU op, sits beside it). One step (Chen et al., "Symbolic Discovery of
+native CPU op, sits beside it). The config's ``"type": "Lion"`` is not built in: the third-party
+example distribution ``contrib/dsplug-lion`` registers it. One step (Chen et al., "Symbolic Discovery of
 Optimization Algorithms"), for every parameter p with gradient g and momentum m::
 
     p ← p · (1 − lr·wd)
