@@ -158,5 +158,7 @@ def dsplug_cli_commands():
 
 @hookimpl
 def dsplug_api_modules():
-    """DeepSpeed's ``deepspeed.launcher.runner`` functions (:mod:`.runner`)."""
-    return [ApiModule("dsplug.launcher.runner", "dsplug.plugins.launcher.runner")]
+    """DeepSpeed's ``deepspeed.launcher.runner`` functions (:mod:`.runner`) and ``deepspeed.utils.numa``'s
+    core-list parser (:mod:`.numa`)."""
+    return [ApiModule("dsplug.launcher.runner", "dsplug.plugins.launcher.runner"),
+            ApiModule("dsplug.utils.numa", "dsplug.plugins.launcher.numa")]
