@@ -594,3 +594,24 @@ def test_torch_adamw_state_loads_into_fused_adam():
     run_with_grads(reference, theirs, grads[3:])
     run_with_grads(opt, ours, grads[3:])
     assert_params_close(ours, theirs)
+
+
+def test_adamw_accepts_adam_w_mode_false_with_a_warning_and_still_decouples():
+    """DeepSpeed accepts AdamW with adam_w_mode: false (AdamW always decouples); so does dsplug, saying so."""
+    import dsplug
+    from dsplug.config import DsplugConfig
+
+    with pytest.warns(Warning, match="adam_w_mode.*AdamW always decouples weight decay"):
+        DsplugConfig({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5))]
+    ref = [torch.nn.Parameter(ours[0].detach().clone())]
+    opt = build("AdamW", {"lr": 0.1, "weight_decay": 0.5, "adam_w_mode": False, "set_grad_none": False}, ours)
+    torch_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.5)
+    for _ in range(3):
+        g = torch.randn(5)
+        ours[0].grad, ref[0].grad = g.clone(), g.clone()
+        opt.step()
+        torch_opt.step()
+    torch.testing.assert_close(ours[0].detach(), ref[0].detach())
+    assert getattr(opt, "adam_w_mode", True) is True
