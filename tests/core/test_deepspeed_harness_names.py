@@ -207,3 +207,17 @@ def test_a_config_error_raised_in_a_worker_process_arrives_whole():
     assert [str(i) for i in info.value.issues] == ["optimizer.params.lr: must be >= 0", "train_batch_size: missing"]
     assert info.value.source == "x.json" and str(info.value).startswith("invalid dsplug config (x.json): 2 errors")
     assert [str(i) for i in ConfigError("one message").issues] == ["one message"]
+
+
+# ------------------------------------------------------------------ DeepSpeedConfig batch re-resolution
+def test_configure_train_batch_size_resolves_what_is_set_and_asserts_on_a_misfit():
+    from dsplug.runtime.config import DeepSpeedConfig
+
+    conf = DeepSpeedConfig({"train_batch_size": 8}, world_size=2)
+    conf.train_batch_size, conf.train_micro_batch_size_per_gpu, conf.gradient_accumulation_steps = 32, 8, None
+    conf._configure_train_batch_size()
+    assert (conf.train_batch_size, conf.train_micro_batch_size_per_gpu, conf.gradient_accumulation_steps) == (32, 8, 2)
+    conf.train_batch_size, conf.train_micro_batch_size_per_gpu, conf.gradient_accumulation_steps = 33, 17, 2
+    with pytest.raises(AssertionError, match="train_batch_size=33"):
+        conf._configure_train_batch_size()
+    assert conf.train_batch_size == 33  # left as set

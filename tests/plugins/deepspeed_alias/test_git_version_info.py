@@ -35,3 +35,12 @@ def test_the_harness_import_works_through_from_import():
     from dsplug.git_version_info import torch_info, version  # what DeepSpeed's tests/unit/util.py does
 
     assert isinstance(torch_info, dict) and isinstance(version, str)
+
+
+def test_the_alias_module_has_deepspeeds_git_attributes():
+    import dsplug
+    from dsplug.plugins.deepspeed_alias.finder import DeepSpeedModule
+
+    module = DeepSpeedModule(dsplug, "0.19.8+dsplug.0.1.0")
+    assert (module.__git_hash__, module.__git_branch__) == ("unknown", "unknown")
+    assert (module.__version_major__, module.__version_minor__, module.__version_patch__) == (0, 19, 8)
