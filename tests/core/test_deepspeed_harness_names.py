@@ -221,3 +221,11 @@ def test_configure_train_batch_size_resolves_what_is_set_and_asserts_on_a_misfit
     with pytest.raises(AssertionError, match="train_batch_size=33"):
         conf._configure_train_batch_size()
     assert conf.train_batch_size == 33  # left as set
+
+
+def test_initialize_without_a_model_is_a_value_error_and_an_assertion_error():
+    with pytest.raises(ValueError, match="model is required") as info:
+        dsplug.initialize(model=None, config={"train_batch_size": 1})
+    assert isinstance(info.value, AssertionError)
+    with pytest.raises(AssertionError, match="first positional argument is args"):
+        dsplug.initialize(torch.nn.Linear(2, 2), config={"train_batch_size": 1})
