@@ -32,6 +32,7 @@ def test_compatible_ops_names_every_builder_and_says_what_runs_here():
 
 # ------------------------------------------------------------------ config_utils
 def _model():
+    pytest.importorskip("pydantic")  # an extra: dsplug[pydantic]
     from pydantic import Field
 
     from dsplug.runtime.config_utils import DeepSpeedConfigModel
