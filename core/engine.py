@@ -34,6 +34,11 @@ from .comm import groups
 CLIENT_GROUP_INDEX = "_dsplug_client_group"
 
 
+class ModelRequiredError(ValueError, AssertionError):
+    """``initialize`` without a model. Also an ``AssertionError``: DeepSpeed asserts the model is
+    given, and code written against it catches that."""
+
+
 class Engine(DeepSpeedAccessors, torch.nn.Module):
     """What ``dsplug.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
@@ -42,7 +47,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                  registry=None, auto_values: Optional[Dict[str, Any]] = None, mpu=None):
         super().__init__()
         if model is None:
-            raise ValueError("dsplug.initialize: model is required (a torch.nn.Module)")
+            raise ModelRequiredError("dsplug.initialize: model is required (a torch.nn.Module); note that "
+                                     "initialize's first positional argument is args, so pass model=...")
         self.registry = registry or get_registry()
         # the config first (at the world size the group will have): its comm_timeout_s is the
         # timeout the group is created with (or re-applied to a group made before the engine)

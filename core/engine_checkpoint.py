@@ -503,7 +503,7 @@ def _validate_tag(engine, tag: str) -> None:
     if mode != "Ignore" and len(set(tags)) > 1:
         message = f"checkpoint tags differ across ranks: {tags}"
         if mode == "Fail":
-            raise ckpt.CheckpointError(message + " (checkpoint.tag_validation is Fail)")
+            raise ckpt.TagMismatchError(message + " (checkpoint.tag_validation is Fail)")
         log_rank0("warning: " + message, logging.WARNING)
 
 

@@ -41,6 +41,12 @@ FEATURES: Dict[str, str] = {
     "kernels": "DeepSpeed's fused CUDA model kernels (transformer, model implementations) are "
                "not implemented: dsplug's native ops are the optimizer, I/O and sparse attention ops under deepspeed.ops",
     "env_report": "deepspeed.env_report is not available: run 'dsplug report'",
+    "wrapper_optimizers": "DeepSpeed wraps the client optimizer in a mixed-precision or ZeRO optimizer (FP16_Optimizer, "
+                          "FP16_UnfusedOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer, "
+                          "DeepSpeedZeroOptimizer_Stage3) and engine.optimizer is that wrapper; in dsplug "
+                          "engine.optimizer is the client optimizer itself, and mixed precision and ZeRO "
+                          "partitioning are the engine's precision and ZeRO-stage plugins (engine.precision, "
+                          "engine.stage), so no engine.optimizer is an instance of this class",
     "sparse_matmul": "DeepSpeed's Triton block-sparse MatMul / Softmax classes (deepspeed.ops.sparse_attention.matmul, "
                      ".softmax) are not provided: use SparseSelfAttention, which runs dsplug's native block-sparse "
                      "kernels (docs/sparse-attention.md)",
@@ -80,6 +86,18 @@ CONFIG_ATTRIBUTES: Dict[str, object] = {
     "sequence_parallel_size": 1,  # Ulysses sequence parallelism
     "compile_config": None,  # DeepSpeed's torch.compile integration ('compile' section)
 }
+
+
+def unavailable_class(name: str, module: str, feature: str) -> type:
+    """A DeepSpeed class dsplug does not implement, under its name at its import path: importing it
+    works (``isinstance(x, cls)`` is False for every object dsplug makes), constructing it raises
+    :class:`NotAvailableInDsplug` with the reason from :data:`FEATURES`."""
+    message = _message(f"{module.replace('dsplug.', 'deepspeed.', 1)}.{name}", feature)
+
+    def __new__(cls, *args, **kwargs):
+        raise NotAvailableInDsplug(message, name=module)
+
+    return type(name, (), {"__new__": __new__, "__module__": module, "__doc__": message})
 
 
 def _message(what: str, feature: str) -> str:

@@ -39,6 +39,12 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """The ranks passed different checkpoint tags while ``checkpoint.tag_validation`` is ``Fail``.
+    Also an ``AssertionError``: DeepSpeed asserts the tags agree, and code (its tests among it)
+    catches that."""
+
+
 def optim_file(rank: int, mp_rank: int = 0) -> str:
     """The file of data-parallel rank ``rank`` of model-parallel slice ``mp_rank``."""
     return f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"

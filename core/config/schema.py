@@ -109,9 +109,15 @@ class Report:
 
 
 class ConfigError(ValueError):
-    """Every problem found in a config. ``.issues`` lists them; ``str()`` shows them all."""
+    """Every problem found in a config. ``.issues`` lists them; ``str()`` shows them all.
+
+    ``issues``: :class:`Issue` objects, one Issue, or one message string. The error pickles with its
+    issues (an exception raised in a worker process arrives whole in the parent: pickle would
+    otherwise rebuild it from the formatted text, read as a list of one-character issues)."""
 
     def __init__(self, issues, source: str = ""):
+        if isinstance(issues, str):
+            issues = [Issue("", issues)]
         self.issues = list(issues) if not isinstance(issues, Issue) else [issues]
         self.source = source
         where = f" ({source})" if source else ""
@@ -121,6 +127,9 @@ class ConfigError(ValueError):
             lines = "\n".join(f"  - {issue}" for issue in self.issues)
             text = f"invalid dsplug config{where}: {len(self.issues)} errors\n{lines}"
         super().__init__(text)
+
+    def __reduce__(self):
+        return type(self), (self.issues, self.source), self.__dict__
 
 
 # ------------------------------------------------------------------------------------- fields

@@ -15,6 +15,8 @@ import json
 import warnings
 from typing import Any, Dict, Optional
 
+from dsplug.api_paths import plugin_names
+
 from ..config import ConfigError, DsplugConfig
 from .constants import *  # noqa: F401,F403 - DeepSpeed's runtime.config re-exports its constants
 
@@ -136,6 +138,20 @@ class DeepSpeedConfig:
     def checkpoint_config(self) -> Dict[str, Any]:
         return dict(self._param_dict.get(CHECKPOINT) or {})  # noqa: F405
 
+    def _configure_train_batch_size(self) -> None:
+        """Resolve ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
+        ``gradient_accumulation_steps`` from their attributes as set now (None: infer it), against
+        ``world_size``, as DeepSpeed does. A triple that does not fit raises ``AssertionError`` (what
+        DeepSpeed raises here) naming the values; the attributes are then left as they were."""
+        from ..config.batch import BatchError, infer_batch
+
+        try:
+            resolved = infer_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                   self.gradient_accumulation_steps, self.world_size)
+        except BatchError as exc:
+            raise AssertionError(str(exc)) from exc
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = resolved
+
     def print_user_config(self) -> None:
         print(json.dumps(self._param_dict, sort_keys=True, indent=4, default=str))
 
@@ -151,3 +167,6 @@ class DeepSpeedConfig:
 
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+
+# plugins add names here (the optimizer names ADAM_OPTIMIZER ... come from the optimizer plugins)
+__getattr__, __dir__ = plugin_names(__name__)

@@ -8,6 +8,8 @@
   full values of a parameter whatever the ZeRO stage holds of it, answered by the engine's stage;
 * ``set_z3_leaf_modules`` / ``unset_z3_leaf_modules`` / ``get_z3_leaf_modules`` /
   ``z3_leaf_module`` / ``z3_leaf_parameter`` (:mod:`.z3_leaf_module`, from the ZeRO stage-3 plugin);
+* ``RepeatingLoader`` (:mod:`dsplug.dataloader`), :mod:`.torch` (``required_torch_version``),
+  :mod:`.timer` (``trim_mean``);
 * :mod:`.zero_to_fp32` — rebuild fp32 weights from a partitioned checkpoint (from the ZeRO plugin).
 
 Everything is imported on first use (see :mod:`dsplug.api_paths`).
@@ -28,6 +30,7 @@ _NAMES = {
     "print_json_dist": "logging",
     "get_current_level": "logging",
     "should_log_le": "logging",
+    "RepeatingLoader": "dsplug.dataloader",
     "safe_get_full_fp32_param": "tensor_fragment",
     "safe_get_full_grad": "tensor_fragment",
     "safe_get_full_optimizer_state": "tensor_fragment",
@@ -66,7 +69,8 @@ _child, _children = plugin_names(__name__)
 
 def __getattr__(name):
     if name in _NAMES:
-        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+        where = _NAMES[name]
+        value = getattr(importlib.import_module(where if "." in where else f"{__name__}.{where}"), name)
         globals()[name] = value
         return value
     return _child(name)

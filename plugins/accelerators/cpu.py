@@ -39,6 +39,12 @@ class CpuAccelerator(Accelerator):
     def communication_backend_name(self) -> str:
         return "gloo"
 
+    def is_fp16_supported(self) -> bool:
+        """False: CPUs have no native fp16 arithmetic (torch emulates it, slowly), so code that picks
+        a training dtype from ``supported_dtypes()`` gets fp32 / bf16 here, as on DeepSpeed's CPU
+        accelerator. An ``fp16`` config section still runs on CPU (dsplug's tests use it)."""
+        return False
+
     def amp(self):
         import torch
 

@@ -68,6 +68,8 @@ class DeepSpeedModule(types.ModuleType):
         own["__version__"] = version
         numbers = [int(part) if part.isdigit() else 0 for part in version.split("+")[0].split(".")[:3]]
         own["__version_major__"], own["__version_minor__"], own["__version_patch__"] = (numbers + [0, 0, 0])[:3]
+        # DeepSpeed's build-time git state: dsplug records none (deepspeed.git_version_info says the same)
+        own["__git_hash__"] = own["__git_branch__"] = "unknown"
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_dsplug"], name)

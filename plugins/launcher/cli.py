@@ -83,7 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
-def run(args) -> int:
+def run(args, raise_errors: bool = False) -> int:
+    """``dsplug launch``: the exit status. A launch refused before anything starts prints one error
+    line and returns 2, or with ``raise_errors`` raises the :class:`LaunchError` (a ValueError), as
+    DeepSpeed's ``deepspeed.launcher.runner.main`` does."""
     import sys
 
     from . import LaunchError, LaunchRequest, execute, plan_launch
@@ -117,13 +120,15 @@ def run(args) -> int:
         )
         plan = elastic_plan(plan_launch(request), request, args)
     except LaunchError as exc:
+        if raise_errors:
+            raise
         print(f"dsplug launch: error: {exc}", file=sys.stderr)
         return 2
     overridden = _launch_override(args, plan.resources)
     if overridden is not None:
         return overridden
     if plan.multi_node:
-        return _run_multi_node(args, request, plan)
+        return _run_multi_node(args, request, plan, raise_errors)
     if args.print_only:
         for node in plan.nodes:
             print(node.display())
@@ -132,7 +137,7 @@ def run(args) -> int:
         return execute(plan)
 
 
-def _run_multi_node(args, request, plan) -> int:
+def _run_multi_node(args, request, plan, raise_errors: bool = False) -> int:
     """Start the job on several hosts through ``--launcher`` (:mod:`.multinode`)."""
     import os
     import shlex
@@ -168,6 +173,8 @@ def _run_multi_node(args, request, plan) -> int:
         with _pid_file(args):
             return multinode.run_launcher(cmd, env, launcher, hosts, elastic=args.elastic_training)
     except LaunchError as exc:
+        if raise_errors:
+            raise
         print(f"dsplug launch: error: {exc}", file=sys.stderr)
         return 2
 

@@ -23,8 +23,10 @@ def dsplug_cli_commands():
 @hookimpl
 def dsplug_api_modules():
     """DeepSpeed's ``deepspeed.launcher.runner`` functions (:mod:`.runner`), its runner classes
-    ``deepspeed.launcher.multinode_runner`` (:mod:`.multinode_runner`) and its per-node launcher
-    ``deepspeed.launcher.launch`` (:mod:`.launch`)."""
+    ``deepspeed.launcher.multinode_runner`` (:mod:`.multinode_runner`), its per-node launcher
+    ``deepspeed.launcher.launch`` (:mod:`.launch`) and ``deepspeed.utils.numa``'s core-list parser
+    (:mod:`.numa`)."""
     return [ApiModule("dsplug.launcher.runner", "dsplug.plugins.launcher.runner"),
             ApiModule("dsplug.launcher.multinode_runner", "dsplug.plugins.launcher.multinode_runner"),
-            ApiModule("dsplug.launcher.launch", "dsplug.plugins.launcher.launch")]
+            ApiModule("dsplug.launcher.launch", "dsplug.plugins.launcher.launch"),
+            ApiModule("dsplug.utils.numa", "dsplug.plugins.launcher.numa")]

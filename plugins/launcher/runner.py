@@ -55,7 +55,8 @@ def parse_resource_filter(host_info: Mapping[str, List[int]], include_str: str =
     """Filter ``host_info`` (``{host: [slot, ...]}``) by ``NODE_SPEC[@NODE_SPEC ...]`` with
     ``NODE_SPEC = HOST[:SLOT[,SLOT ...]]``: ``include_str`` keeps only what it names (a bare host:
     all its slots), ``exclude_str`` removes it (a bare host: the whole host). At most one of them;
-    neither returns ``host_info`` as it is. Hosts keep ``host_info``'s order; hosts left without
+    neither returns ``host_info`` as it is. Hosts keep ``host_info``'s order, each host's slots are
+    in ascending order (as DeepSpeed returns them, whatever order the spec names them in); hosts left without
     slots are dropped; a host or slot ``host_info`` does not have is a ValueError."""
     if include_str and exclude_str:
         raise LaunchError("include_str and exclude_str are mutually exclusive.")
@@ -75,7 +76,7 @@ def parse_resource_filter(host_info: Mapping[str, List[int]], include_str: str =
             chosen[node.host] = []
         else:
             chosen[node.host] = [s for s in chosen[node.host] if s not in node.slots]
-    return collections.OrderedDict((h, _unique(chosen[h])) for h in host_info if chosen.get(h))
+    return collections.OrderedDict((h, sorted(_unique(chosen[h]))) for h in host_info if chosen.get(h))
 
 
 def parse_inclusion_exclusion(resource_pool: Mapping[str, int], inclusion: str, exclusion: str
@@ -107,10 +108,12 @@ def parse_args(args: Optional[Sequence[str]] = None):
 
 
 def main(args: Optional[Sequence[str]] = None) -> int:
-    """``dsplug launch`` with ``args`` (the command line after the program name); the exit code."""
+    """``dsplug launch`` with ``args`` (the command line after the program name); the exit code. A
+    launch refused before anything starts raises :class:`~.errors.LaunchError` (a ValueError naming
+    the flag at fault), as DeepSpeed's ``runner.main`` raises; the ``dsplug launch`` command prints it."""
     from .cli import run
 
-    return run(parse_args(args))
+    return run(parse_args(args), raise_errors=True)
 
 
 __all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS", "DLTS_HOSTFILE", "EXPORT_ENVS",

@@ -61,15 +61,15 @@ class AdamParams:
     __rules__ = cross_checks(*_CHECKS)
 
 
-def _always_decoupled(value):
-    return None if value else "type AdamW always decouples weight decay; use type Adam for adam_w_mode: false"
-
-
 @schema
 class AdamWParams(AdamParams):
-    """``optimizer.params`` for ``"type": "AdamW"``: the same keys, ``adam_w_mode`` always true."""
+    """``optimizer.params`` for ``"type": "AdamW"``: the same keys, ``adam_w_mode`` always true.
 
-    adam_w_mode: bool = field(True, check=_always_decoupled, doc="always true for AdamW")
+    ``adam_w_mode: false`` is accepted, as DeepSpeed accepts it, with a warning that it does not
+    apply: AdamW always decouples weight decay (type Adam with ``adam_w_mode: false`` is L2)."""
+
+    adam_w_mode: bool = field(True, inert="type AdamW always decouples weight decay, as in DeepSpeed; for an L2 "
+                              "penalty use type Adam with adam_w_mode: false", doc="always true for AdamW")
 
 
 def build_adam(params, options: dict, type_name: str, decoupled: bool):

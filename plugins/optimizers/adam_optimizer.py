@@ -72,6 +72,7 @@ class FusedAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.set_grad_none = bool(set_grad_none)
+        self.adam_w_mode = bool(adam_w_mode)  # DeepSpeed's attribute: the constructor's mode (groups may differ)
         self.use_fused_kernel = True
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:

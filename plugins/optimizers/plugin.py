@@ -18,6 +18,8 @@ def dsplug_optimizers():
 
 @hookimpl
 def dsplug_api_modules():
-    # DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` / ``deepspeed.ops.lamb.FusedLamb`` are this plugin's classes
+    # DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` / ``deepspeed.ops.lamb.FusedLamb`` are this plugin's
+    # classes; the optimizer names of ``deepspeed.runtime.config`` (ADAM_OPTIMIZER ...) are this package's
     return [ApiModule("dsplug.ops.adam", "dsplug.plugins.optimizers.adam_optimizer"),
-            ApiModule("dsplug.ops.lamb", "dsplug.plugins.optimizers.lamb_optimizer")]
+            ApiModule("dsplug.ops.lamb", "dsplug.plugins.optimizers.lamb_optimizer"),
+            ApiModule("dsplug.runtime.config", "dsplug.plugins.optimizers.deepspeed_names")]

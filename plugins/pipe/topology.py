@@ -148,6 +148,10 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 
 def _prime_factors(n: int) -> List[int]:
+    """The prime factors of ``n`` in ascending order (``[]`` for 1). ValueError for ``n < 1``: a
+    world of no processes has no factorization (the loop would return ``[]`` as for 1)."""
+    if n < 1:
+        raise ValueError(f"prime factors of {n}: need a positive integer (a world size)")
     out, p = [], 2
     while n > 1:
         while n % p == 0:

@@ -33,4 +33,9 @@ def dsplug_precisions():
 
 @hookimpl
 def dsplug_api_modules():
-    return [ApiModule("dsplug.runtime.fp16.loss_scaler", "dsplug.plugins.precision.ds_loss_scaler")]
+    wrappers = "dsplug.plugins.precision.ds_wrapper_optimizers"
+    return [ApiModule("dsplug.runtime.fp16.loss_scaler", "dsplug.plugins.precision.ds_loss_scaler"),
+            ApiModule("dsplug.runtime.precision_config", "dsplug.plugins.precision.ds_precision_config"),
+            ApiModule("dsplug.runtime.fp16.fused_optimizer", wrappers),
+            ApiModule("dsplug.runtime.fp16.unfused_optimizer", wrappers),
+            ApiModule("dsplug.runtime.bf16_optimizer", wrappers)]

@@ -110,8 +110,8 @@ class OneCycle(LRSchedule):
         self.first_step_size = whole_steps(cycle_first_step_size, "cycle_first_step_size", 1)
         self.second_step_size = (
             self.first_step_size if cycle_second_step_size is None
-            else whole_steps(cycle_second_step_size, "cycle_second_step_size", 1)
-        )
+            else whole_steps(cycle_second_step_size, "cycle_second_step_size", 0)
+        )  # 0 (as DeepSpeed allows): the lr drops back to cycle_min_lr right after the peak
         self.total_size = self.first_step_size + self.second_step_size
         self.first_stair_count = whole_steps(cycle_first_stair_count, "cycle_first_stair_count", 0)
         self.second_stair_count = (
@@ -136,6 +136,11 @@ class OneCycle(LRSchedule):
             )
             self.cycle_momentum = False
         self._apply()
+
+    @property
+    def step_ratio(self) -> float:
+        """The rising half's share of the cycle, ``S1 / L`` (DeepSpeed's attribute)."""
+        return self.first_step_size / self.total_size
 
     # ----------------------------------------------------------------------- formulas
     def cycle_scale(self, position: int) -> float:
@@ -196,7 +201,8 @@ class OneCycleParams:
     cycle_max_lr: Value = field(le=MAX_LR, check=non_negative, doc="lr at the peak of the cycle (one number, or one per param group; <= 1e6)")
     decay_lr_rate: float = field(0.0, ge=0, doc="after the cycle: lr = cycle_min_lr / (1 + decay_lr_rate * intervals)")
     cycle_first_step_size: int = field(2000, ge=1, doc="batches of the rising half of the cycle")
-    cycle_second_step_size: Optional[int] = field(None, ge=1, doc="batches of the falling half (default: cycle_first_step_size)")
+    cycle_second_step_size: Optional[int] = field(None, ge=0, doc="batches of the falling half (default: "
+                                                  "cycle_first_step_size; 0: straight back to cycle_min_lr)")
     cycle_first_stair_count: int = field(0, ge=0, doc="stairs in the rising half (0: change every batch)")
     cycle_second_stair_count: Optional[int] = field(None, ge=0, doc="stairs in the falling half (default: cycle_first_stair_count)")
     decay_step_size: int = field(0, ge=0, doc="batches per decay interval after the cycle (0: no decay)")

@@ -20,7 +20,7 @@ DeepSpeed, an unknown ``warmup_type`` is an error instead of a silent switch to 
 from __future__ import annotations
 
 import math
-from typing import List, Union
+from typing import List, Optional, Union
 
 from dsplug import PluginSpec
 from dsplug.config.schema import MAX_LR, field, schema
@@ -34,6 +34,7 @@ from ._common import (
     non_negative,
     per_group,
     raise_on,
+    read_lr,
     steps_cover_warmup,
     warmup_type_of,
     whole_steps,
@@ -55,18 +56,23 @@ def warmup_fraction(iteration: int, warmup_steps: int, warmup_type: str) -> floa
 
 # ------------------------------------------------------------------------------ schedules
 class WarmupLR(LRSchedule):
-    """lr rises from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``, then holds."""
+    """lr rises from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``, then holds.
+
+    ``warmup_max_lr=None`` (the class's default, as in DeepSpeed): each param group warms up to the
+    lr it has when the schedule is built. (A config's ``scheduler.params`` default stays 0.001.)"""
 
     def __init__(
         self,
         optimizer,
         warmup_min_lr: LrValue = 0.0,
-        warmup_max_lr: LrValue = 0.001,
+        warmup_max_lr: Optional[LrValue] = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = WARMUP_LOG_RATE,
         last_batch_iteration: int = -1,
     ):
         super().__init__(optimizer, last_batch_iteration)
+        if warmup_max_lr is None:
+            warmup_max_lr = [read_lr(group) for group in self.optimizer.param_groups]
         self.min_lrs = per_group(warmup_min_lr, self.num_groups, "warmup_min_lr")
         self.max_lrs = per_group(warmup_max_lr, self.num_groups, "warmup_max_lr")
         self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs)]

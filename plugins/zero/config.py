@@ -3,7 +3,8 @@
 Legacy forms accepted with a deprecation warning:
 * ``"zero_optimization": true`` / ``false`` -> ``{"stage": 1}`` / ``{"stage": 0}``;
 * ``cpu_offload: true`` -> ``offload_optimizer: {"device": "cpu"}``;
-* ``cpu_offload_params: true`` -> ``offload_param: {"device": "cpu"}``;
+* ``cpu_offload_param: true`` (and the spelling ``cpu_offload_params``) -> ``offload_param: {"device": "cpu"}``;
+* ``offload_param: null`` / ``offload_optimizer: null`` -> the section left out (no offload);
 * ``cpu_offload_use_pin_memory`` -> ``pin_memory`` of both offload sections.
 """
 from __future__ import annotations
@@ -48,6 +49,11 @@ class OffloadOptimizerConfig:
     ratio: float = field(1.0, ge=0.0, le=1.0, doc="fraction of the optimizer step done on the CPU")
     pipeline_read: bool = field(False, doc="overlap reading the next sub-group with the current step")
     pipeline_write: bool = field(False, doc="overlap writing the previous sub-group with the current step")
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether swapping overlaps the step in either direction (DeepSpeed's derived attribute)."""
+        return self.pipeline_read or self.pipeline_write
 
 
 @schema
@@ -101,6 +107,9 @@ class ZeroConfig:
     mics_shard_size: int = field(-1, ge=-1, doc="MiCS shard group size (-1 = off)")
     mics_hierarchical_params_gather: bool = field(False, doc="MiCS hierarchical all-gather", inert='MiCS is not available')
     log_trace_cache_warnings: bool = field(False, doc="stage 3: warn when the module trace changes")
+    pipeline_loading_checkpoint: bool = field(False, doc="stage 3 with pipeline parallelism: load module weights "
+                                              "from the checkpoint into the partitions",
+                                              inert="dsplug's pipeline engine loads ZeRO-3 checkpoints as any other")
 
     @staticmethod
     def __legacy__(data, path, report):
@@ -114,8 +123,12 @@ class ZeroConfig:
         data = dict(data)
         if "overlap_comm" not in data and str(data.get("stage")) == "3":
             data["overlap_comm"] = True  # DeepSpeed's default depends on the stage: on at 3, off below
+        for key in ("offload_param", "offload_optimizer"):
+            if key in data and data[key] is None:  # DeepSpeed's "no offload section", as leaving it out
+                del data[key]
         pin = data.pop("cpu_offload_use_pin_memory", None)
-        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"),
+                         ("cpu_offload_params", "offload_param")):
             if old not in data:
                 continue
             value = data.pop(old)

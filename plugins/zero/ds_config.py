@@ -136,8 +136,9 @@ class DeepSpeedZeroConfig(_Parsed):
 
     def _offload(self, key: str, cls):
         given = self._given.get(key)
-        legacy = {"offload_param": "cpu_offload_params", "offload_optimizer": "cpu_offload"}[key]
-        if given is None and not self._given.get(legacy):
+        legacy = {"offload_param": ("cpu_offload_param", "cpu_offload_params"),
+                  "offload_optimizer": ("cpu_offload",)}[key]
+        if given is None and not any(self._given.get(old) for old in legacy):
             return None
         return cls(to_dict(getattr(self._parsed, key)))
 

@@ -64,7 +64,11 @@ def dsplug_api_modules():
             ApiModule("dsplug.runtime.zero.config", "dsplug.plugins.zero.ds_config"),
             # DeepSpeed's memory estimators, where its docs import them from
             ApiModule("dsplug.runtime.zero.stage3", "dsplug.plugins.zero.memory_estimators"),
-            ApiModule("dsplug.runtime.zero.stage_1_and_2", "dsplug.plugins.zero.memory_estimators")]
+            ApiModule("dsplug.runtime.zero.stage_1_and_2", "dsplug.plugins.zero.memory_estimators"),
+            # DeepSpeed's ZeRO wrapper-optimizer classes: names that say dsplug has none (engine.stage instead)
+            ApiModule("dsplug.runtime.zero.stage3", "dsplug.plugins.zero.ds_wrapper_optimizers"),
+            ApiModule("dsplug.runtime.zero.stage_1_and_2", "dsplug.plugins.zero.ds_wrapper_optimizers"),
+            ApiModule("dsplug.runtime.zero.utils", "dsplug.plugins.zero.errors")]
 
 
 @hookimpl

@@ -222,7 +222,7 @@ def test_importing_kernel_modules_imports_no_plugin():
 
 
 LION_OPS = '''
-class FusedLion:
+class Lion8bit:
     """a third party's Lion"""
 '''
 LION_UTILS = '''
@@ -249,13 +249,13 @@ def test_a_third_party_adds_names_to_a_kernel_module_and_new_paths(tmp_path):
     code = """
         import dsplug
         import dsplug_lion_ops
-        from dsplug.ops.lion import DeepSpeedCPULion, FusedLion
+        from dsplug.ops.lion import DeepSpeedCPULion, Lion8bit
         from dsplug.ops.lion.cpu_lion import DeepSpeedCPULion as kernel_lion
         from dsplug.runtime.lion_utils import helper
         import dsplug.lion_extras.deep.tools as tools
-        print(FusedLion is dsplug_lion_ops.FusedLion, DeepSpeedCPULion is kernel_lion, helper(),
+        print(Lion8bit is dsplug_lion_ops.Lion8bit, DeepSpeedCPULion is kernel_lion, helper(),
               tools.helper is helper, hasattr(dsplug.lion_extras.deep, "__path__"),
-              "FusedLion" in dir(dsplug.ops.lion))
+              "Lion8bit" in dir(dsplug.ops.lion))
     """
     out = _run(code, path_extra=site)
     assert out.returncode == 0, out.stderr

@@ -33,6 +33,7 @@ class DeepSpeedCPUAdam(DeepSpeedCPUOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, amsgrad=amsgrad)
         self.adamw_mode = bool(adamw_mode)
+        self.adam_w_mode = self.adamw_mode  # DeepSpeed's spelling of the attribute
         self.opt_id = next(DeepSpeedCPUAdam._ids)
         super().__init__(model_params, defaults, fp32_optimizer_states=fp32_optimizer_states,
                          moment_dtype=moment_dtype, num_threads=num_threads)

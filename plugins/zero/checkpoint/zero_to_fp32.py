@@ -35,6 +35,7 @@ __all__ = [
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_optim_files",
     "merge_partitions",
     "param_pieces",
     "MergedGroup",
@@ -169,3 +170,24 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag:
         total = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
         progress(f"saved {len(state)} tensors ({total:,} elements) to {output_file}")
     return state
+
+
+def _natural_key(path: str):
+    """Sort key that orders embedded numbers by value (``zero_2`` before ``zero_10``)."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", os.path.basename(path))]
+
+
+def get_optim_files(checkpoint_dir) -> List[str]:
+    """The optimizer-state files (``*_optim_states.pt``) of a tag directory, ordered by the numbers in
+    their names (rank 2 before rank 10), as DeepSpeed lists them. FileNotFoundError when there is none."""
+    import glob
+
+    checkpoint_dir = str(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"{checkpoint_dir} is not a directory: give a checkpoint tag directory")
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, "*_optim_states.pt")), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"no *_optim_states.pt file in {checkpoint_dir}: is it a checkpoint tag directory?")
+    return files

@@ -113,7 +113,9 @@ def build_host_optimizer(groups: List[dict], build_optimizer, context, where: st
         return built
     origin = (f"the config's optimizer {selected.type!r}" if selected is not None
               else "a client optimizer (passed to initialize)")
-    raise ValueError(
+    from ..errors import ZeRORuntimeException
+
+    raise ZeRORuntimeException(
         f"{where}: the optimizer step runs on the CPU, but {origin} builds {type(built).__module__}."
         f"{type(built).__qualname__}, which is not one of DeepSpeed's CPU optimizers ({', '.join(CPU_OPTIMIZER_NAMES)}). "
         f"Use \"optimizer\": {{\"type\": \"AdamW\"}} (or Adam / Adagrad) in the config, pass "

@@ -24,6 +24,28 @@ class ZeroParamType(enum.Enum):
     REMOTE = 3  # partitioned, with the partition somewhere else (offloaded)
 
 
+#: ``param.data.shape`` of a partitioned parameter while it is not gathered: an empty placeholder
+#: (the partition is ``param.ds_tensor``, the full shape ``param.ds_shape``)
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Several in-flight all-gathers waited as one (``ParamPartitioner.gather_async`` returns one
+    handle per dtype). ``wait(**kwargs)`` waits each handle in order, passing the keyword arguments
+    on as keywords (``handle_dependency=False`` reaches a handle whose ``wait`` takes it
+    positionally, keyword-only or as ``**kwargs`` alike)."""
+
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+    def wait(self, **kwargs) -> None:
+        for handle in self.handles:
+            handle.wait(**kwargs)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
 def shutdown_init_context() -> None:
     """Stop partitioning new modules while ``Init`` contexts are active (until
     :func:`restore_init_context`): modules built in between stay whole."""
@@ -52,7 +74,8 @@ def zero_init_enabled() -> bool:
     return bool(_patcher.active) and not _patcher.suspended
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "is_zero_param",
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
+           "partitioned_param_data_shape", "ZeroParamType", "is_zero_param",
            "zero_wrapper_for_fp_tensor_constructor", "get_accelerator",
            "register_external_parameter", "restore_init_context", "shutdown_init_context",
            "unregister_external_parameter", "zero_init_enabled"]

@@ -461,8 +461,7 @@ def test_amsgrad_refused_like_fused_adam(registry):
 def test_fused_only_switches_refused_with_torch_adam(registry):
     message = config_error("Adam", {"torch_adam": True, "bias_correction": False})
     assert "optimizer.params.bias_correction" in message and "only available in dsplug's FusedAdam" in message
-    message = config_error("AdamW", {"adam_w_mode": False})
-    assert "AdamW always decouples weight decay" in message
+    # AdamW with adam_w_mode: false is accepted with a warning, as in DeepSpeed (test below)
 
 
 def test_sgd_nesterov_needs_momentum(registry):
@@ -594,3 +593,24 @@ def test_torch_adamw_state_loads_into_fused_adam():
     run_with_grads(reference, theirs, grads[3:])
     run_with_grads(opt, ours, grads[3:])
     assert_params_close(ours, theirs)
+
+
+def test_adamw_accepts_adam_w_mode_false_with_a_warning_and_still_decouples():
+    """DeepSpeed accepts AdamW with adam_w_mode: false (AdamW always decouples); so does dsplug, saying so."""
+    import dsplug
+    from dsplug.config import DsplugConfig
+
+    with pytest.warns(Warning, match="adam_w_mode.*AdamW always decouples weight decay"):
+        DsplugConfig({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5))]
+    ref = [torch.nn.Parameter(ours[0].detach().clone())]
+    opt = build("AdamW", {"lr": 0.1, "weight_decay": 0.5, "adam_w_mode": False, "set_grad_none": False}, ours)
+    torch_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.5)
+    for _ in range(3):
+        g = torch.randn(5)
+        ours[0].grad, ref[0].grad = g.clone(), g.clone()
+        opt.step()
+        torch_opt.step()
+    torch.testing.assert_close(ours[0].detach(), ref[0].detach())
+    assert getattr(opt, "adam_w_mode", True) is True

@@ -306,3 +306,12 @@ def test_deepspeed_alias_serves_the_pipe_modules():
         assert deepspeed.PipelineEngine is dsplug.PipelineEngine
     finally:
         finder.uninstall()
+
+
+def test_prime_factors_of_a_non_positive_world_is_a_value_error():
+    from dsplug.plugins.pipe.topology import _prime_factors
+
+    assert _prime_factors(1) == [] and _prime_factors(12) == [2, 2, 3] and _prime_factors(13) == [13]
+    for n in (0, -4):
+        with pytest.raises(ValueError, match="positive integer"):
+            _prime_factors(n)

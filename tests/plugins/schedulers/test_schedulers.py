@@ -65,9 +65,9 @@ def test_warmup_lr_matches_closed_form(kind):
 
 def test_warmup_lr_defaults_and_short_warmup():
     opt = sgd()
-    sched = WarmupLR(opt)  # DeepSpeed defaults: 0 -> 0.001 over 1000 steps, log
+    sched = WarmupLR(opt)  # DeepSpeed 0.19.8's defaults: 0 -> the group's lr (0.5) over 1000 steps, log
     sched.step(last_batch_iteration=99)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.001 * math.log(100) / math.log(1000))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * math.log(100) / math.log(1000))
     # warmup_num_steps below 2 counts as 2 (as in DeepSpeed)
     opt = sgd()
     sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=0, warmup_type="linear")
@@ -420,3 +420,33 @@ def test_compat_import_path_and_cheap_import():
     env = {k: v for k, v in os.environ.items() if k != "DSPLUG_BLOCK_PLUGINS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "False"
+
+
+def test_warmup_lr_class_without_max_lr_warms_each_group_up_to_its_own_lr():
+    """DeepSpeed's WarmupLR(optimizer) without warmup_max_lr: every group's own lr is its target."""
+    from dsplug.plugins.schedulers.warmup import WarmupLR
+
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.2}])
+    sched = WarmupLR(opt, warmup_num_steps=10, warmup_type="linear")
+    assert sched.max_lrs == [0.1, 0.2]
+    sched.step(5)
+    assert sched.get_lr() == pytest.approx([0.05, 0.1])
+    sched.step(10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2])
+
+
+def test_one_cycle_with_a_zero_second_half_drops_back_after_the_peak():
+    from dsplug.plugins.schedulers.one_cycle import OneCycle
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    sched = OneCycle(torch.optim.SGD([p], lr=0.1, momentum=0.9), cycle_min_lr=0.001, cycle_max_lr=0.1,
+                     cycle_first_step_size=4, cycle_second_step_size=0, cycle_momentum=False)
+    assert sched.step_ratio == 1.0
+    lrs = []
+    for _ in range(6):
+        lrs.append(sched.get_lr()[0])
+        sched.step()
+    # rises linearly over 4 batches to the peak, then the decay phase starts from cycle_min_lr
+    assert lrs[:5] == pytest.approx([0.001 + (0.1 - 0.001) * k / 4 for k in range(5)])
+    assert lrs[5] == pytest.approx(0.001)
