@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 from dsplug.config.schema import parse
 
-from .plugins import Bf16Config, Fp16Config
+from .config import Bf16Config, Fp16Config
 
 __all__ = ["get_bfloat16_config", "get_float16_config", "Bf16Config", "Fp16Config"]
 
