@@ -199,19 +199,31 @@ def broadcast_module_state(module, context) -> None:
     e.g. a MoE expert's expert-data-parallel group) -- and each buffer over the data-parallel
     group (``context.comm``). Every rank calls it, with the parameters in the same order.
 
-    In a world of one process the broadcasts are still issued (each an identity), as DeepSpeed
-    does: a comms log at one rank then lists what more ranks would send. A group of one inside a
-    larger world (a MoE expert no other rank holds) sends nothing."""
+    In a world of one process the broadcasts of the parameters averaged over the data-parallel
+    group are still issued (each an identity), as DeepSpeed does: a comms log at one rank then
+    lists what more ranks would send. A group of one inside a larger world (a MoE expert no other
+    rank holds) sends nothing. A DTensor parameter (a stage that placed the module with
+    ``torch.distributed.tensor``, e.g. FSDP2) is skipped: its placement is the stage's own."""
     import torch
 
     alone = context.comm.get_world_size() == 1
     with torch.no_grad():
         for p in module.parameters():
-            holders = context.reduction_of(p).comm
-            if alone or holders.get_world_size() > 1:
-                holders.broadcast(p.data, src=0)
+            if _is_dtensor(p):
+                continue
+            reduction = context.reduction_of(p)
+            if reduction.comm.get_world_size() > 1 or (alone and reduction.key is None):
+                reduction.comm.broadcast(p.data, src=0)
         for b in module.buffers():
             context.comm.broadcast(b.data, src=0)
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _reset_for_tests() -> None:

@@ -223,6 +223,12 @@ def run_launcher(cmd: List[str], env: Mapping[str, str], launcher: str, nodes: L
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) != signal.SIG_IGN:
                 previous[sig] = signal.signal(sig, lambda signum, _f: received.append(signum))
+    def report(done: int) -> int:
+        for host, code in failures[done:]:
+            rank = nodes.index(host) if host in nodes else "?"
+            print(f"{name}: node {rank} ({host}) exited with status {code}", file=sys.stderr, flush=True)
+        return len(failures)
+
     failed_at = None
     reported = handled = 0
     stopped_for_failure = False
@@ -235,12 +241,9 @@ def run_launcher(cmd: List[str], env: Mapping[str, str], launcher: str, nodes: L
                 _signal_group(proc, signal.SIGTERM if handled == 0 else signal.SIGKILL)
                 handled = len(received)
             if len(failures) > reported:
-                for host, code in failures[reported:]:
-                    rank = nodes.index(host) if host in nodes else "?"
-                    print(f"{name}: node {rank} ({host}) exited with status {code}", file=sys.stderr, flush=True)
+                reported = report(reported)
                 if failed_at is None and not elastic:
                     failed_at = time.monotonic()
-                reported = len(failures)
             if failed_at is not None and not stopped_for_failure and time.monotonic() - failed_at >= STOP_GRACE_S:
                 print(f"{name}: stopping the other nodes: still running {STOP_GRACE_S:g} s after a node failed",
                       file=sys.stderr, flush=True)
@@ -249,6 +252,7 @@ def run_launcher(cmd: List[str], env: Mapping[str, str], launcher: str, nodes: L
             time.sleep(poll_interval)
         if reader is not None:
             reader.join(timeout=5)
+        report(reported)  # the nodes whose end pdsh printed as it exited
     except BaseException:
         _stop_group(proc)
         raise

@@ -52,11 +52,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             runpy.run_path(target, run_name="__main__")
     except Exception as exc:
         if not is_config_error(exc):
+            _record_for_torchrun(exc)
             raise
         print(f"dsplug launch: rank {os.environ.get('RANK', local_rank)}: {one_line(exc)}", file=sys.stderr,
               flush=True)
         return 1
     return 0
+
+
+def _record_for_torchrun(exc: BaseException) -> None:
+    """Write this worker's error file (``TORCHELASTIC_ERROR_FILE``), as torch's ``@record`` does:
+    the per-node launcher reads it to tell a rank that ended on a CommError (it lost a peer) from
+    the rank that failed first. Best effort: the exception propagates either way."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    except Exception as problem:  # the worker's own error matters more than its error file
+        print(f"dsplug launch: could not write the error file: {problem}", file=sys.stderr)
 
 
 def is_config_error(exc: BaseException) -> bool:

@@ -67,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         record(torch_run.run)(parser.parse_args(list(sys.argv[1:] if argv is None else argv)))
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
+        rank, failure = _first_cause(failed)
         status = exit_status(failure.exitcode) or 1
         if node:
             print(f"dsplug launch: {node}: rank {rank} (local rank {failure.local_rank}) exited with status {status}",
@@ -79,6 +79,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   flush=True)
         return 128 + int(stopped.sigval)
     return 0
+
+
+def _first_cause(failed):
+    """``(rank, failure)`` to report: the rank most likely to have caused the others to end. A rank
+    that exited with a status of its own comes first; then one killed by a signal (torchrun sends
+    SIGTERM to the rest once one failed); last one that ended on a
+    :class:`~dsplug.comm.faults.CommError` (it lost a peer that failed first). Within a kind, the
+    earliest. torchrun's own order would put whichever it saw first, and ranks seen failing in one
+    poll are ordered by their error files' timestamps, which only a rank that raised has."""
+    def kind(failure) -> int:
+        if "CommError" in str(failure.message):
+            return 2
+        return 1 if failure.exitcode < 0 else 0
+
+    rank = min(failed.failures, key=lambda r: (kind(failed.failures[r]), failed.failures[r].timestamp, r))
+    return rank, failed.failures[rank]
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def config(args) -> dict:
         cfg[args["precision"]] = {"enabled": True}
         if args["precision"] == "fp16":
             cfg["fp16"].update(initial_scale_power=16, hysteresis=1)  # the first steps overflow
-            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        # fsdp2 accumulates micro-steps in its fp32 gradient shards; stage 3 does so when asked (its
+        # bf16 default, DeepSpeed's, accumulates in bf16)
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     for key, value in (args.get("extra") or {}).items():  # more config: sections merged key by key
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     if args.get("monitor_dir"):

@@ -174,9 +174,11 @@ class Fsdp2Stage(ZeroStage):
         return grads
 
     def _global_norm(self, grads: List[torch.Tensor]) -> float:
-        squares = torch.zeros((), dtype=torch.float32, device=self._device())
+        # summed in fp64, as dsplug's ZeRO stage 3 and DeepSpeed's do: under bf16 the norm's last
+        # bit decides the clip coefficient, and with it which way a weight rounds a few steps later
+        squares = torch.zeros((), dtype=torch.float64, device=self._device())
         for g in grads:
-            squares += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
+            squares += torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2
         if self.world_size > 1:
             self.comm.all_reduce(squares)
         return float(squares.sqrt())

@@ -124,7 +124,8 @@ def test_its_keys_of_zero_optimization_belong_to_it_alone():
 
 def test_moe_expert_parameters_are_refused():
     model = Blocks()
-    model.out.weight.allreduce = False
+    model.out.weight.allreduce = False  # DeepSpeed's marks of an expert parameter
+    model.out.weight.group_name = "ep_size_1"
     with pytest.raises(ValueError, match=r"does not train MoE expert parameters .*'out.weight'"):
         _engine(model=model)
 

@@ -17,7 +17,7 @@ def test_runner_main_raises_the_launch_error(argv):
 
 
 def test_the_launch_command_still_prints_one_error_line(capsys):
-    from dsplug.plugins.launcher.plugin import run
+    from dsplug.plugins.launcher.cli import run
     from dsplug.launcher.runner import parse_args
 
     assert run(parse_args("--num_nodes 1 -i localhost foo.py".split())) == 2
