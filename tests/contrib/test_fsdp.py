@@ -111,6 +111,8 @@ def test_losses_equal_zero_stage_3_on_two_ranks(fresh_env, tmp_path, precision):
                                     "monitor_dir": str(monitor)}, tmp_path, "fsdp2")
     zero3 = run_ranks(fresh_env, 2, {"stage": 3, "steps": steps, "precision": precision}, tmp_path, "stage3")
     rtol, atol = TOLERANCE[precision]
+    for step, (a, b) in enumerate(zip(fsdp[0]["losses"], zero3[0]["losses"])):  # (shown with -s)
+        print(f"{precision or 'fp32'} step {step}: fsdp2 {a:.9f}  stage 3 {b:.9f}  diff {abs(a - b):.2e}")
     for rank in range(2):
         got, want = fsdp[rank], zero3[rank]
         assert got["zero_stage"] == 3  # engine.zero_optimization_stage(): partitions parameters
