@@ -160,7 +160,8 @@ def _run_multi_node(args, request, plan, raise_errors: bool = False) -> int:
             if not args.no_ssh_check:
                 multinode.check_ssh_hosts(hosts, args.ssh_port, plan.nodes[0].ssh_args, os.environ)
             with _pid_file(args):
-                return execute(plan, stop_others_after=None if args.elastic_training else multinode.STOP_GRACE_S)
+                return execute(plan, stop_others_after=None if args.elastic_training else multinode.STOP_GRACE_S,
+                               elastic=args.elastic_training)
         hostfile = args.hostfile or request.default_hostfile
         cmd, env = multinode.build_command(launcher, args, plan, hostfile, os.environ)
         if args.print_only:

@@ -14,7 +14,11 @@ later joins at the next restart (the running agents notice it waiting). Up to
 checkpoints reload at any world size) and, with an ``elasticity`` config section, gets the
 batch sizes of the new world size.
 
-The agent whose host is ``MASTER_ADDR`` hosts the rendezvous store: that node must survive.
+The agent whose host is ``MASTER_ADDR`` hosts the rendezvous store: that node must survive. In a
+multi-node launch whose ``MASTER_ADDR`` is one of the hostfile's hosts, that node's agent is told
+so (``is_host=1``, the others ``is_host=0``; :func:`node_rdzv_conf`) rather than left to guess from
+its own addresses, which fails where two "hosts" share a machine (every agent sees a loopback
+``MASTER_ADDR`` as its own).
 Graceful stops (Ctrl-C, SIGTERM to an agent) end the whole job, as torch's agent closes the
 rendezvous when it shuts down; losing a node means its agent disappears.
 """
@@ -78,6 +82,14 @@ def parse_rdzv_conf(text: str) -> Dict[str, str]:
     return out
 
 
+def node_rdzv_conf(conf: Dict[str, str], hosts: List[str], host: str, master_addr: str) -> Dict[str, str]:
+    """``conf`` for the node on ``host`` of a job on ``hosts``: with ``is_host`` added when the job
+    spans several hosts, ``master_addr`` is one of them and the user did not set ``is_host``."""
+    if "is_host" in conf or len(hosts) < 2 or master_addr not in hosts:
+        return dict(conf)
+    return {**conf, "is_host": "1" if host == master_addr else "0"}
+
+
 def _given(args, name: str) -> bool:
     value = getattr(args, name, None)
     return value not in (None, -1, "")
@@ -123,12 +135,13 @@ def elastic_plan(plan, request, args, environ: Optional[Dict[str, str]] = None):
     rendezvous = ["--nnodes", f"{low}:{high}", "--rdzv_backend", "c10d",
                   "--rdzv_endpoint", f"{host}:{plan.master_port}", "--rdzv_id", run_id,
                   "--max_restarts", str(restarts)]
-    if conf:
-        rendezvous += ["--rdzv_conf", ",".join(f"{k}={v}" for k, v in conf.items())]
     target = _worker_target(request)
+    hosts = [node.host for node in plan.nodes]
     nodes: List = []
     for node in plan.nodes:
-        argv = (request.python, "-u", "-m", TORCHRUN_MODULE, *rendezvous,
+        node_conf = node_rdzv_conf(conf, hosts, node.host, plan.master_addr)
+        conf_args = ["--rdzv_conf", ",".join(f"{k}={v}" for k, v in node_conf.items())] if node_conf else []
+        argv = (request.python, "-u", "-m", TORCHRUN_MODULE, *rendezvous, *conf_args,
                 "--nproc_per_node", str(len(node.slots)), *target)
         env = dict(node.env)
         env.setdefault(NO_SHARED_STORE_ENV, environ.get(NO_SHARED_STORE_ENV, "1"))

@@ -15,7 +15,8 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from .elastic import DEFAULT_MAX_RESTARTS, DEFAULT_RUN_ID, NO_SHARED_STORE_ENV, RUN_ID_ENV
+from .elastic import (DEFAULT_MAX_RESTARTS, DEFAULT_RUN_ID, NO_SHARED_STORE_ENV, RUN_ID_ENV, node_rdzv_conf,
+                      parse_rdzv_conf)
 from .plan import SHIM_MODULE
 from .runner import decode_world_info
 from .torchrun import NODE_ENV, WATCH_ENV
@@ -40,6 +41,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--min_elastic_nodes", type=int, default=-1)
     p.add_argument("--max_elastic_nodes", type=int, default=-1)
     p.add_argument("--max_restarts", type=int, default=DEFAULT_MAX_RESTARTS)
+    p.add_argument("--rdzv_conf", default="", help="c10d rendezvous settings KEY=VALUE,... (elastic)")
     p.add_argument("--watch_stdout", choices=("yes", "no"), default="yes",
                    help="stop the workers when stdout's reader goes away (the ssh connection closed)")
     p.add_argument("user_script")
@@ -56,6 +58,9 @@ def torchrun_argv(args: argparse.Namespace, hosts: List[str], slots: List[int]) 
         nodes = ["--nnodes", f"{low}:{high}", "--rdzv_backend", "c10d", "--rdzv_endpoint",
                  f"{host}:{args.master_port}", "--rdzv_id", os.environ.get(RUN_ID_ENV, DEFAULT_RUN_ID),
                  "--max_restarts", str(args.max_restarts)]
+        conf = node_rdzv_conf(parse_rdzv_conf(args.rdzv_conf), hosts, hosts[args.node_rank], args.master_addr)
+        if conf:
+            nodes += ["--rdzv_conf", ",".join(f"{k}={v}" for k, v in conf.items())]
     else:
         nodes = ["--nnodes", str(len(hosts)), "--node_rank", str(args.node_rank),
                  "--master_addr", args.master_addr, "--master_port", str(args.master_port)]

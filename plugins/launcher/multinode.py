@@ -199,7 +199,9 @@ def run_launcher(cmd: List[str], env: Mapping[str, str], launcher: str, nodes: L
     pdsh's stderr is read line by line: when a host's command fails (``ssh exited with exit code
     N``) the other hosts get :data:`STOP_GRACE_S` seconds, then pdsh and its ssh connections are
     stopped (each node then stops its workers). A signal (Ctrl-C, SIGTERM) stops the launcher's
-    whole process group with SIGTERM; a second one kills it.
+    whole process group with SIGTERM; a second one kills it. ``elastic`` (each node an elastic
+    agent): failed hosts are reported and the others go on; the job succeeded (0) when a host that
+    did not fail finished it.
     """
     watch = launcher == PDSH
     proc = subprocess.Popen(cmd, env=dict(env), start_new_session=True, stdin=subprocess.DEVNULL,
@@ -259,9 +261,12 @@ def run_launcher(cmd: List[str], env: Mapping[str, str], launcher: str, nodes: L
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    code = proc.returncode
+    if elastic and failures and not received and code is not None and code >= 0 \
+            and set(nodes) - {host for host, _code in failures}:
+        return 0  # lost nodes; a remaining one finished the job
     if failures:
         return _status(failures[0][1])
-    code = proc.returncode
     if received:
         return code if code > 0 else 128 + received[0]
     return _status(code)

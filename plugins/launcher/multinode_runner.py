@@ -131,6 +131,10 @@ class PDSHRunner(MultiNodeRunner):
         if _arg(self.args, "elastic_training", False):
             launch += ["--enable_elastic_training", f"--max_elastic_nodes={self.args.max_elastic_nodes}",
                        f"--min_elastic_nodes={self.args.min_elastic_nodes}"]
+            if _arg(self.args, "max_restarts") is not None:
+                launch.append(f"--max_restarts={self.args.max_restarts}")
+            if _arg(self.args, "rdzv_conf", ""):
+                launch.append(f"--rdzv_conf={self.args.rdzv_conf}")
         search = " ".join(launch[2:6])  # python -u -m <module>: what identifies the node launchers
         kill = pdsh + ["pkill -f", shlex.quote(search)]
         return pdsh + launch + [shlex.quote(self.user_script)] + self.user_arguments, kill, environment

@@ -223,6 +223,7 @@ def execute(
     poll_interval: float = 0.1,
     name: str = "dsplug launch",
     stop_others_after: Optional[float] = None,
+    elastic: bool = False,
 ) -> int:
     """Start every node's command and wait; returns the first failing node's exit status, else 0.
 
@@ -237,6 +238,9 @@ def execute(
     the nodes still running get that long to end on their own (their ranks usually fail at once
     when a peer is gone), then they are stopped: their ssh connections close, and each remote
     node then stops its workers (``DSPLUG_LAUNCH_WATCH_STDOUT``, :mod:`.torchrun`).
+
+    ``elastic`` (each node an elastic agent): a node that fails is reported and the others go on
+    without it; the job succeeded (0) when a node finished it, whatever nodes were lost on the way.
     """
     base_env = dict(os.environ if environ is None else environ)
     received: List[int] = []
@@ -255,7 +259,7 @@ def execute(
             else:
                 running.append((node, popen(node.process_argv(), env={**base_env, **node.env}, cwd=node.cwd,
                                             start_new_session=True)))
-        status, handled = 0, 0
+        status, handled, finished = 0, 0, 0
         failed_at: Optional[float] = None
         stopped: List[NodeCommand] = []
         pending = list(running)
@@ -282,6 +286,7 @@ def execute(
                 if code is None:
                     continue
                 pending.remove(item)
+                finished += code == 0
                 if code != 0:
                     node_status = exit_status(code)
                     if received and node_status == 128 + received[0]:
@@ -292,11 +297,15 @@ def execute(
                     where = f"node {node.node_rank} ({node.host})" if plan.multi_node else "the local workers"
                     why = " (ssh's own failure: the host could not be reached, refused the connection, or the " \
                           "connection dropped)" if node.remote and node_status == 255 else ""
-                    print(f"{name}: {where} exited with status {node_status}{why}", file=sys.stderr, flush=True)
+                    goes_on = "; the other nodes go on without it (elastic)" if elastic and pending else ""
+                    print(f"{name}: {where} exited with status {node_status}{why}{goes_on}", file=sys.stderr,
+                          flush=True)
                     if stop_others_after is not None and not received and failed_at is None and not stopped:
                         failed_at = time.monotonic()
             if pending:
                 time.sleep(poll_interval)
+        if elastic and finished and not received:
+            return 0
         return status or (128 + received[0] if received else 0)
     except BaseException:
         _stop(running)  # an error here (or a KeyboardInterrupt where no handler could be set): no orphans

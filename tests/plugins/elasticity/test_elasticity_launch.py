@@ -60,6 +60,17 @@ def test_elastic_multi_node_plan(tmp_path):
     for node in plan.nodes:
         assert node.argv[4:10] == ("--nnodes", "1:4", "--rdzv_backend", "c10d", "--rdzv_endpoint", "worker-0:29500")
         assert "'--nnodes' 1:4" in node.display() or "--nnodes 1:4" in node.display()
+    # MASTER_ADDR is worker-0 (the first host): its agent hosts the rendezvous store, told so explicitly
+    confs = [n.argv[n.argv.index("--rdzv_conf") + 1] for n in plan.nodes]
+    assert confs == ["is_host=1", "is_host=0"]
+    plan = planned("--elastic_training", "--rdzv_conf", "last_call_timeout=3", "--master_addr", "worker-1",
+                   hostfile=str(hosts))
+    assert [n.argv[n.argv.index("--rdzv_conf") + 1] for n in plan.nodes] == [
+        "last_call_timeout=3,is_host=0", "last_call_timeout=3,is_host=1"]
+    plan = planned("--elastic_training", "--rdzv_conf", "is_host=1", hostfile=str(hosts))  # the user's word wins
+    assert [n.argv[n.argv.index("--rdzv_conf") + 1] for n in plan.nodes] == ["is_host=1", "is_host=1"]
+    plan = planned("--elastic_training", "--master_addr", "10.0.0.9", hostfile=str(hosts))  # not a host: torch decides
+    assert all("--rdzv_conf" not in n.argv for n in plan.nodes)
     with pytest.raises(LaunchError, match="--max_elastic_nodes 1 is less than the 2 nodes being launched"):
         planned("--elastic_training", "--max_elastic_nodes", "1", hostfile=str(hosts))
 
@@ -210,6 +221,41 @@ def _wait(what, condition, timeout, procs=()):
     raise AssertionError(f"timed out / an agent ended while waiting for {what}")
 
 
+def check_resumed_at_world_one(record):
+    """The records of :data:`SCRIPT` show steps at world size 2, then a restart at world size 1 that
+    resumed from a checkpoint written at 2 (elastic batch sizes of one worker) and finished the run
+    with the weights plain PyTorch gives for the same batches."""
+    from dsplug.elasticity import compute_elastic_config
+
+    records = _records(record)
+    two = [r for r in records if r["world"] == 2]
+    assert two
+    one = records[records.index(two[-1]) + 1:]  # after the node was lost (a slow second agent may also have
+    assert one and all(r["world"] == 1 for r in one)  # made the job start at 1 and grow to 2 before that)
+    final = compute_elastic_config({"elasticity": ELASTIC}, "0.14.0", world_size=1)
+    assert {(r["tb"], r["mb"], r["gas"]) for r in two} == {(12, 3, 2)}  # by hand: 12 / 2 ranks = 6 = 3 × 2
+    assert {(r["tb"], r["mb"], r["gas"]) for r in one} == {(12, 3, 4)} == {(final[0], final[2], 12 // final[2])}
+    start = next(r for r in one if r["event"] == "start")
+    last_saved_at_two = max(r["step"] for r in two if r["event"] == "step")
+    assert start["restart"] >= 1 and start["loaded"] is not None and 2 <= start["loaded"] <= last_saved_at_two
+    steps = [r["step"] for r in one if r["event"] == "step"]
+    assert steps == list(range(start["loaded"] + 1, STEPS + 1))  # resumed, not restarted from 0
+    assert one[-1]["event"] == "done" and one[-1]["step"] == STEPS
+
+    # the same run in plain PyTorch: one full batch per step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
+    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    for step in range(STEPS):
+        x = torch.randn(12, 4, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x @ w).backward()
+        opt.step()
+    for got, want in zip(torch.load(f"{record}.params.pt"), model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_elastic_job_survives_losing_a_node(tmp_path):
@@ -217,8 +263,6 @@ def test_elastic_job_survives_losing_a_node(tmp_path):
     torchrun and worker, as when a machine is lost). The first restarts its worker at world size 1,
     which resumes from the ZeRO-2 checkpoint written at world size 2 with the elastic batch sizes of
     one worker, and the run ends with the same weights as plain PyTorch on the same batches."""
-    from dsplug.elasticity import compute_elastic_config
-
     script, config = tmp_path / "train.py", tmp_path / "ds.json"
     script.write_text(SCRIPT)
     config.write_text(json.dumps(CONFIG))
@@ -257,30 +301,4 @@ def test_elastic_job_survives_losing_a_node(tmp_path):
                 _kill_tree(proc.pid)  # nothing of this test outlives it
                 proc.wait(timeout=scaled(10))
 
-    records = _records(record)
-    two = [r for r in records if r["world"] == 2]
-    assert two
-    one = records[records.index(two[-1]) + 1:]  # after the node was lost (a slow second agent may also have
-    assert one and all(r["world"] == 1 for r in one)  # made the job start at 1 and grow to 2 before that)
-    final = compute_elastic_config({"elasticity": ELASTIC}, "0.14.0", world_size=1)
-    assert {(r["tb"], r["mb"], r["gas"]) for r in two} == {(12, 3, 2)}  # by hand: 12 / 2 ranks = 6 = 3 × 2
-    assert {(r["tb"], r["mb"], r["gas"]) for r in one} == {(12, 3, 4)} == {(final[0], final[2], 12 // final[2])}
-    start = next(r for r in one if r["event"] == "start")
-    last_saved_at_two = max(r["step"] for r in two if r["event"] == "step")
-    assert start["restart"] >= 1 and start["loaded"] is not None and 2 <= start["loaded"] <= last_saved_at_two
-    steps = [r["step"] for r in one if r["event"] == "step"]
-    assert steps == list(range(start["loaded"] + 1, STEPS + 1))  # resumed, not restarted from 0
-    assert one[-1]["event"] == "done" and one[-1]["step"] == STEPS
-
-    # the same run in plain PyTorch: one full batch per step
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
-    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-    for step in range(STEPS):
-        x = torch.randn(12, 4, generator=torch.Generator().manual_seed(step))
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), x @ w).backward()
-        opt.step()
-    for got, want in zip(torch.load(f"{record}.params.pt"), model.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-5)
+    check_resumed_at_world_one(record)

@@ -256,3 +256,69 @@ def test_stopping_the_launcher_stops_every_host(ssh_cluster, tmp_path, launcher)
     assert proc.returncode != 0, err
     assert left == [], left
     print(f"{launcher}: SIGTERM to the launcher; every process on both hosts gone after {took:.1f} s")
+
+
+def _processes_of_host(address: str, marker: str):
+    """pids of the processes that sshd started for ``address`` (SSH_CONNECTION names it as the server
+    address) and whose command line mentions ``marker``: that "host"'s agent, torchrun and workers."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        conn = next((e.decode().split("=", 1)[1].split() for e in environ if e.startswith(b"SSH_CONNECTION=")), [])
+        if len(conn) > 2 and conn[2] == address and marker in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def test_elastic_job_across_hosts_survives_losing_a_host(ssh_cluster, tmp_path):
+    """``--elastic_training`` over pdsh: one elastic agent per host (1 worker each); every process of
+    host 127.0.0.2 is killed mid-run (as when the machine is lost). The agent on 127.0.0.1, which hosts
+    the rendezvous store, restarts its worker at world size 1; it resumes from the checkpoint written at
+    world size 2 and ends with plain PyTorch's weights; the launcher reports the lost host and exits 0."""
+    import signal
+
+    from tests.plugins.elasticity.test_elasticity_launch import CONFIG, SCRIPT, STEPS, _records, \
+        check_resumed_at_world_one
+
+    need("pdsh", package="pdsh")
+    (tmp_path / "train.py").write_text(SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps(CONFIG))
+    record = tmp_path / "log.jsonl"
+    hostfile = ssh_cluster.hostfile(tmp_path / "hostfile", slots=1)
+    args = ["--hostfile", hostfile, "--launcher", "pdsh", "--elastic_training", "--min_elastic_nodes", "1",
+            "--max_elastic_nodes", "2", "--max_restarts", "2",
+            "--rdzv_conf", "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=3",
+            "--master_port", free_port(), "train.py", "--config", "ds.json", "--ckpt", tmp_path / "ckpt",
+            "--record", record, "--steps", STEPS, "--pace", "0.3"]
+    env = {**os.environ, **ssh_cluster.env()}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsplug.cli", "launch", *map(str, args)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + scaled(150)
+        while sum(1 for r in _records(record) if r["event"] == "step" and r["world"] == 2) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        lost = _processes_of_host("127.0.0.2", "dsplug")
+        assert lost
+        for pid in lost:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _out, err = proc.communicate(timeout=scaled(150))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-5000:]
+    assert "node 1 (127.0.0.2) exited with status" in err, err[-5000:]
+    check_resumed_at_world_one(record)
+    assert wait_no_processes(str(tmp_path), scaled(10)) == []
+    print(err[-1500:])

@@ -65,6 +65,11 @@ def test_pdsh_passes_the_launch_modes_and_elastic_flags():
     i = cmd.index("--master_port=29500")
     assert cmd[i + 1:i + 7] == ["--no_python", "--module", "--no_local_rank", "--enable_elastic_training",
                                 "--max_elastic_nodes=3", "--min_elastic_nodes=1"]
+    assert "--max_restarts=2" not in cmd and not any(w.startswith("--rdzv_conf") for w in cmd)  # DeepSpeed's, as is
+    cmd, _, _ = mr.PDSHRunner(ds_args(elastic_training=True, min_elastic_nodes=1, max_elastic_nodes=2, max_restarts=2,
+                                      rdzv_conf="last_call_timeout=3"), WORLD).get_cmd({}, ACTIVE)
+    i = cmd.index("--min_elastic_nodes=1")
+    assert cmd[i + 1:i + 3] == ["--max_restarts=2", "--rdzv_conf=last_call_timeout=3"]  # dsplug's own flags, when given
 
 
 def test_openmpi_command():
@@ -146,9 +151,15 @@ def test_node_launcher_runs_its_nodes_slots():
     elastic = node_launch.parse_args([f"--world_info={world}", "--node_rank=0", "--master_addr=a", "--master_port=7",
                                       "--enable_elastic_training", "--min_elastic_nodes=1", "--no_local_rank",
                                       "train.py"])
-    assert node_launch.torchrun_argv(elastic, ["a", "b"], [0, 1, 2])[:12] == [
+    assert node_launch.torchrun_argv(elastic, ["a", "b"], [0, 1, 2])[:14] == [
         "--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "a:7", "--rdzv_id", "dsplug-elastic",
-        "--max_restarts", "100", "--nproc_per_node", "3"]  # fmt: skip
+        "--max_restarts", "100", "--rdzv_conf", "is_host=1", "--nproc_per_node", "3"]  # fmt: skip
+    # node 1 does not host the rendezvous store (told so: on one machine it would also see a loopback
+    # MASTER_ADDR as its own), and the user's --rdzv_conf reaches it
+    second = node_launch.parse_args([f"--world_info={world}", "--node_rank=1", "--master_addr=a", "--master_port=7",
+                                     "--enable_elastic_training", "--rdzv_conf=last_call_timeout=3", "train.py"])
+    argv = node_launch.torchrun_argv(second, ["a", "b"], [1, 3])
+    assert argv[argv.index("--rdzv_conf") + 1] == "last_call_timeout=3,is_host=0"
 
 
 def test_node_launcher_rejects_a_rank_outside_the_job(capsys):
