@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import textwrap
@@ -17,6 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 settings.register_profile("dsplug", derandomize=os.environ.get("DSPLUG_HYPOTHESIS") != "random",
                           print_blob=True)
 settings.load_profile("dsplug")
+
+# A shell starts a background job ("tox &", "nohup ... &") with SIGINT ignored, and every process
+# the tests start would inherit that: the Ctrl-C tests' SIGINT would then be ignored and the run
+# they interrupt would go on to its last step. The tests' children get SIGINT's default action.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def write_distribution(site: Path, name: str, version: str, entry_points: dict, modules: dict) -> Path:

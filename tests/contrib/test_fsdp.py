@@ -17,7 +17,7 @@ import venv
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, scaled
 
 FSDP = REPO / "contrib" / "dsplug-fsdp"
 RANK_SCRIPT = REPO / "tests" / "contrib" / "fsdp_rank.py"
@@ -55,7 +55,7 @@ def run_ranks(python, world_size: int, args: dict, out_dir, name: str, timeout: 
             procs.append(subprocess.Popen([str(python), str(RANK_SCRIPT), json.dumps(mine)], env=env, stdout=f,
                                           stderr=subprocess.STDOUT, cwd=out_dir))
     try:
-        codes = [p.wait(timeout=timeout) for p in procs]
+        codes = [p.wait(timeout=scaled(timeout)) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
