@@ -12,6 +12,7 @@ given there is merged into this script's).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -109,6 +110,13 @@ def main(args) -> None:
     # releasing a tensor can be ended mid-destructor (an abort after a finished run)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # Seen once in a tox run of the whole suite: rank 1 of a resumed run aborted
+    # after all of the above with "terminate called without an active exception" (the gloo
+    # thread / GIL race at interpreter teardown; not root-caused for FSDP2). The result is saved and
+    # the group is gone: leave without the interpreter's teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def full_optimizer_states(engine) -> dict:
