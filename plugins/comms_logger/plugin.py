@@ -2,7 +2,7 @@
 
 Entry point: ``observer-comms-logger = "dsplug.plugins.comms_logger.plugin"``. With
 ``comms_logger.enabled`` the factory (:func:`.observer.build_observer`) registers a
-:class:`~.logger.CommsLogger`'s comm hooks (``dsplug_comm_op``, ``dsplug_comm_summary``) on the
+:class:`~.logger.CommsRecorder`'s comm hooks (``dsplug_comm_op``, ``dsplug_comm_summary``) on the
 engine's comm layer (``context.comm.events``); ``dsplug.comm.log_summary()`` prints its table;
 closing the engine unregisters them. It also serves DeepSpeed's recorder class at
 ``deepspeed.utils.comms_logging`` (:mod:`.comms_logging`).
