@@ -12,6 +12,7 @@ accepted and stay ``"auto"`` (the engine resolves them). The parsed
 from __future__ import annotations
 
 import json
+import types
 import warnings
 from typing import Any, Dict, Optional
 
@@ -129,10 +130,13 @@ class DeepSpeedConfig:
                              "`dsplug list` shows what is installed)")
 
     @property
-    def monitor_config(self) -> Dict[str, Any]:
-        """The given sections of the monitor plugins (``tensorboard``, ``csv_monitor`` ...)."""
-        monitors = {p.spec.section for p in self.config.registry.all() if p.category == "monitor" and p.spec.section}
-        return {k: self._param_dict[k] for k in sorted(monitors) if k in self._param_dict}
+    def monitor_config(self) -> Any:
+        """DeepSpeed's monitor config object: one attribute per installed monitor's section
+        (``tensorboard``, ``csv_monitor`` ...), the parsed section or its defaults when absent;
+        ``enabled``: whether any monitor is."""
+        names = sorted({p.spec.section for p in self.config.registry.all() if p.category == "monitor" and p.spec.section})
+        sections = {name: self.config.section(name) for name in names}
+        return types.SimpleNamespace(**sections, enabled=any(getattr(s, "enabled", False) for s in sections.values()))
 
     @property
     def checkpoint_config(self) -> Dict[str, Any]:

@@ -100,6 +100,18 @@ class Autotuner:
         self._pool_size = 0
 
     # ------------------------------------------------------------------ resources and commands
+    @property
+    def exp_num_nodes(self) -> int:
+        """DeepSpeed's name: how many nodes the experiments run on."""
+        return len(self.resources)
+
+    @property
+    def exp_num_gpus(self) -> int:
+        """DeepSpeed's name: the per-node slot count of the experiments, the fewest slots any of their
+        nodes has (dsplug launches each node with its own slots, so on uneven nodes the larger ones
+        run more processes; ``world_size`` is the total)."""
+        return min(len(slots) for slots in self.resources.values())
+
     def _experiment_resources(self, active: Dict[str, List[int]]) -> Dict[str, List[int]]:
         hosts = list(active.items())
         if not hosts:

@@ -1,5 +1,6 @@
 """Registers autotuning: the ``autotuning`` section's observer, ``dsplug launch --autotuning`` and
-DeepSpeed's import path ``dsplug.autotuning`` (:mod:`.api`).
+DeepSpeed's import paths ``dsplug.autotuning`` (:mod:`.api`) and its ``.autotuner``, ``.scheduler``
+and ``.utils`` submodules.
 
 Entry point: ``autotuning = "dsplug.plugins.autotuning.plugin"``. Cheap to import (no torch).
 """
@@ -27,7 +28,12 @@ def dsplug_observers():
 
 @hookimpl
 def dsplug_api_modules():
-    return [ApiModule("dsplug.autotuning", "dsplug.plugins.autotuning.api")]
+    """``dsplug.autotuning`` (:mod:`.api`) and DeepSpeed's submodules ``.autotuner`` (``Autotuner``),
+    ``.scheduler`` (``ResourceManager``) and ``.utils`` (``get_val_by_key``, ``set_val_by_key``)."""
+    return [ApiModule("dsplug.autotuning", "dsplug.plugins.autotuning.api"),
+            ApiModule("dsplug.autotuning.autotuner", "dsplug.plugins.autotuning.autotuner"),
+            ApiModule("dsplug.autotuning.scheduler", "dsplug.plugins.autotuning.scheduler"),
+            ApiModule("dsplug.autotuning.utils", "dsplug.plugins.autotuning.utils")]
 
 
 @hookimpl

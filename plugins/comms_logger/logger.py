@@ -1,8 +1,8 @@
 """The recorder of collectives and its DeepSpeed-style summaries.
 
-A :class:`CommsLogger` keeps the records; :func:`comm_hooks` makes the object registered on
+A :class:`CommsRecorder` keeps the records; :func:`comm_hooks` makes the object registered on
 :data:`dsplug.comm.events`, whose ``dsplug_comm_op`` implementation calls
-:meth:`CommsLogger.record` after each collective and whose ``dsplug_comm_summary`` prints the
+:meth:`CommsRecorder.record` after each collective and whose ``dsplug_comm_summary`` prints the
 table. Records are grouped by op (plus the issuing function with ``debug``) and message size.
 
 Bandwidth follows the nccl-tests definitions: the algorithmic bandwidth is the message size over
@@ -94,7 +94,7 @@ class OpStats:
         return sum(self.latencies)
 
 
-class CommsLogger:
+class CommsRecorder:
     """Records collectives reported by :mod:`dsplug.comm` (through :func:`comm_hooks`).
 
     ops:     the op names to record, or None for every op (``prof_all``)
@@ -215,11 +215,11 @@ def _row(cells: List[str]) -> str:
 
 # ---------------------------------------------------------------------- the comm hooks
 class CommHooks:
-    """The comm-hook implementations of one :class:`CommsLogger` (what goes on
+    """The comm-hook implementations of one :class:`CommsRecorder` (what goes on
     ``dsplug.comm.events``). Without ``debug`` the op hook does not take ``caller``, so the comm
     layer does not look the issuing function up."""
 
-    def __init__(self, log: CommsLogger):
+    def __init__(self, log: CommsRecorder):
         self.log = log
 
     @hookimpl
@@ -239,6 +239,6 @@ class CallerCommHooks(CommHooks):
         self.log.record(op, nbytes, latency_s, world_size, async_op=async_op, caller=caller)
 
 
-def comm_hooks(log: CommsLogger) -> CommHooks:
+def comm_hooks(log: CommsRecorder) -> CommHooks:
     """The object to register on ``dsplug.comm.events`` for ``log``."""
     return (CallerCommHooks if log.debug else CommHooks)(log)

@@ -1,4 +1,4 @@
-"""The engine observer that keeps a :class:`~.logger.CommsLogger`'s comm hooks registered.
+"""The engine observer that keeps a :class:`~.logger.CommsRecorder`'s comm hooks registered.
 
 :func:`build_observer` (the spec's factory) registers the logger's ``dsplug_comm_op`` /
 ``dsplug_comm_summary`` hooks on the engine's comm layer (``context.comm.events``); closing the
@@ -20,7 +20,7 @@ class CommsLoggerObserver(Observer):
     def __init__(self, log, comm):
         from .logger import comm_hooks
 
-        self.log = log  # the CommsLogger (its records and summaries)
+        self.log = log  # the CommsRecorder (its records and summaries)
         self.comm = comm
         self.hooks = comm_hooks(log)
         comm.events.register(self.hooks, name=f"comms_logger:{id(self.hooks)}")
@@ -56,8 +56,8 @@ def build_observer(config, context):
         if not config.prof_all and not selected_ops(config):
             logger.warning("comms_logger: prof_all is false and prof_ops names no op that dsplug issues, "
                            "so nothing will be logged")
-    from .logger import CommsLogger
+    from .logger import CommsRecorder
 
-    log = CommsLogger(rank=context.rank, verbose=config.verbose, debug=config.debug,
+    log = CommsRecorder(rank=context.rank, verbose=config.verbose, debug=config.debug,
                       ops=selected_ops(config), comm=context.comm)
     return CommsLoggerObserver(log, context.comm)

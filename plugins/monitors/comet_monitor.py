@@ -45,7 +45,7 @@ def _quiet_experiment_config(comet_ml) -> dict:
     return {"experiment_config": comet_ml.ExperimentConfig(**off)} if off else {}
 
 
-class CometMonitor(MonitorObserver):
+class CometWriter(MonitorObserver):
     section = "comet"
 
     def __init__(self, config: CometConfig, comet_ml):
@@ -86,8 +86,8 @@ class CometMonitor(MonitorObserver):
         self.experiment.end()
 
 
-def build(config: CometConfig, context) -> Optional[CometMonitor]:
-    return build_client_monitor(config, context, "comet_ml", "comet", lambda comet_ml: CometMonitor(config, comet_ml))
+def build(config: CometConfig, context) -> Optional[CometWriter]:
+    return build_client_monitor(config, context, "comet_ml", "comet", lambda comet_ml: CometWriter(config, comet_ml))
 
 
 def specs():

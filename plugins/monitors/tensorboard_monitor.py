@@ -21,7 +21,7 @@ FLUSH_SECS = 10
 MAX_QUEUE = 1000
 
 
-class TensorBoardMonitor(MonitorObserver):
+class TensorBoardWriter(MonitorObserver):
     """Scalars in TensorBoard event files, one point per tag and optimizer step.
 
     The tags of one step go into a single event (one ``Summary`` with several values, as
@@ -61,9 +61,9 @@ class TensorBoardMonitor(MonitorObserver):
         self.summary_writer.close()
 
 
-def build(config: TensorBoardConfig, context) -> Optional[TensorBoardMonitor]:
+def build(config: TensorBoardConfig, context) -> Optional[TensorBoardWriter]:
     return build_client_monitor(config, context, "tensorboard", "tensorboard",
-                                lambda _: TensorBoardMonitor(resolve_log_dir(config.output_path, config.job_name)))
+                                lambda _: TensorBoardWriter(resolve_log_dir(config.output_path, config.job_name)))
 
 
 def specs():

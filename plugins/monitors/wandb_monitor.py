@@ -28,7 +28,7 @@ def _quiet_settings(wandb_module) -> dict:
         return {}
 
 
-class WandbMonitor(MonitorObserver):
+class WandbWriter(MonitorObserver):
     section = "wandb"
 
     def __init__(self, config: WandbConfig, wandb_module):
@@ -57,8 +57,8 @@ class WandbMonitor(MonitorObserver):
         self.run.finish()
 
 
-def build(config: WandbConfig, context) -> Optional[WandbMonitor]:
-    return build_client_monitor(config, context, "wandb", "wandb", lambda wandb: WandbMonitor(config, wandb))
+def build(config: WandbConfig, context) -> Optional[WandbWriter]:
+    return build_client_monitor(config, context, "wandb", "wandb", lambda wandb: WandbWriter(config, wandb))
 
 
 def specs():

@@ -31,7 +31,7 @@ Momentum (``cycle_momentum``, on by default) drives Adam-style param groups as D
 ``betas = (momentum, 0.99)`` (``betas[1]`` becomes 0.99 whatever was configured), written from the
 start: a new schedule (``last_batch_iteration = -1``) writes ``betas = (cycle_min_mom, 0.99)``
 before the first ``step()`` (then ``get_mom()`` still reports the formula's value at ``p = 0``,
-``cycle_max_mom``, as DeepSpeed's does), and each ``step()`` the formula's value. These numbers
+``(cycle_max_mom, 0.99)``, as DeepSpeed's does: one ``(momentum, 0.99)`` pair per group), and each ``step()`` the formula's value. These numbers
 equal DeepSpeed 0.19.8's (tests/data/deepspeed/one_cycle.json). SGD-style groups get the cycled
 value as ``momentum``, a dsplug extension: DeepSpeed's OneCycle silently leaves an optimizer without
 ``betas`` alone (lr-only cycling). An optimizer with neither gets a warning and lr-only cycling.
@@ -180,15 +180,19 @@ class OneCycle(LRSchedule):
             return list(self.max_moms)
         return [hi * (1.0 + self.decay_mom_rate * d) for hi in self.max_moms]
 
-    def get_mom(self) -> Optional[List[float]]:
-        """Momentum of each group for the current iteration (None when not cycling momentum)."""
-        return self.momentum_at(self.last_batch_iteration)
+    def get_mom(self) -> Optional[List[tuple]]:
+        """DeepSpeed's shape: ``(momentum, 0.99)`` per group for the current iteration, the pair
+        written as ``betas`` to Adam-style groups (SGD-style groups get the first value as
+        ``momentum``); None when not cycling momentum. :meth:`momentum_at` gives the bare values."""
+        momenta = self.momentum_at(self.last_batch_iteration)
+        return None if momenta is None else [(m, CYCLE_BETA2) for m in momenta]
 
     def _apply(self) -> None:
         super()._apply()
         if self.cycle_momentum:
             # a new schedule starts the optimizer at the lowest momentum, as DeepSpeed's does
-            momenta = list(self.min_moms) if self.last_batch_iteration == -1 else self.get_mom()
+            momenta = (list(self.min_moms) if self.last_batch_iteration == -1
+                      else self.momentum_at(self.last_batch_iteration))
             write_momenta(self.optimizer.param_groups, momenta, beta2=CYCLE_BETA2)
 
 

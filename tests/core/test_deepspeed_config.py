@@ -73,11 +73,14 @@ def test_precision_zero_elasticity_and_profiler_attributes():
     assert plain.eigenvalue_enabled is False and plain.sequence_parallel_size == 1  # features dsplug lacks
 
 
-def test_monitor_config_holds_the_given_monitor_sections():
+def test_monitor_config_is_an_object_with_every_monitor_section():
     config = ds(csv_monitor={"enabled": True, "output_path": "/tmp/x"})
-    assert list(config.monitor_config) == ["csv_monitor"]
-    assert config.monitor_config["csv_monitor"]["output_path"] == "/tmp/x"
-    assert ds().monitor_config == {}
+    monitors = config.monitor_config
+    assert (monitors.csv_monitor.enabled, monitors.csv_monitor.output_path) == (True, "/tmp/x")
+    assert monitors.enabled is True
+    # absent sections: their schemas' defaults (DeepSpeed's: disabled, job name DeepSpeedJobName)
+    assert (monitors.tensorboard.enabled, monitors.tensorboard.job_name) == (False, "DeepSpeedJobName")
+    assert ds().monitor_config.enabled is False
 
 
 def test_the_kernel_module_names_no_plugin_section():

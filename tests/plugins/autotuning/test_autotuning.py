@@ -570,3 +570,14 @@ def test_launch_autotuning_is_answered_by_the_plugin_and_refused_without_it(monk
     err = capsys.readouterr().err
     assert "--autotuning run needs the autotuning plugin, which is not installed or is blocked" in err
     assert cli_main(["launch", "--num_procs", "1", "--print_only", "train.py"]) == 0  # plain launches go on
+
+
+@pytest.mark.parametrize("resources, nodes, gpus", [
+    ({"worker-0": [0, 1, 2, 3]}, 1, 4),
+    ({"worker-0": [0], "worker-1": [0, 1, 2]}, 2, 1),
+    ({"worker-0": [0, 1], "worker-2": [4, 5]}, 2, 2),
+])
+def test_deepspeeds_experiment_node_and_slot_counts(tmp_path, resources, nodes, gpus):
+    tuner = Autotuner(_args(tmp_path, {"autotuning": {"enabled": True}}), resources, cwd=str(tmp_path))
+    assert (tuner.exp_num_nodes, tuner.exp_num_gpus) == (nodes, gpus)
+    assert tuner.world_size == sum(len(v) for v in resources.values())

@@ -18,7 +18,7 @@ import torch
 from dsplug.config import ConfigError, DsplugConfig
 from dsplug.config.schema import describe, parse
 from dsplug.plugins.comms_logger.config import DSPLUG_OPS, CommsLoggerConfig, selected_ops
-from dsplug.plugins.comms_logger.logger import CommsLogger, bandwidths, format_size
+from dsplug.plugins.comms_logger.logger import CommsRecorder, bandwidths, format_size
 from dsplug.plugins.comms_logger.observer import CommsLoggerObserver, build_observer
 
 from tests.dist_harness import run_distributed
@@ -72,7 +72,7 @@ def test_format_size():
 @pytest.mark.parametrize("op, factor", [("all_reduce", 2 * 3 / 4), ("all_gather", 3 / 4), ("reduce_scatter", 3 / 4),
                                         ("broadcast", 1.0), ("reduce", 1.0), ("barrier", 1.0)])
 def test_rows_average_counts_and_bandwidths(op, factor):
-    log = CommsLogger(rank=0)
+    log = CommsRecorder(rank=0)
     log.record(op, 10 ** 6, 0.002, 4)  # 8e6 bits in 2 ms = 4 Gbps
     log.record(op, 10 ** 6, 0.004, 4, async_op=True)  # 2 Gbps
     log.record(op, 10, 0.001, 4)
@@ -88,13 +88,13 @@ def test_rows_average_counts_and_bandwidths(op, factor):
 
 
 def test_prof_ops_filter_and_debug_labels():
-    log = CommsLogger(ops={"broadcast"}, debug=True)
+    log = CommsRecorder(ops={"broadcast"}, debug=True)
     log.record("all_reduce", 8, 0.001, 2, caller="f")
     log.record("broadcast", 8, 0.001, 2, caller="f")
     log.record("broadcast", 8, 0.001, 2, caller="g")
     assert [(r["label"], r["count"]) for r in log.rows()] == [
         ("broadcast | [Caller Func: f]", 1), ("broadcast | [Caller Func: g]", 1)]
-    assert "(no communication ops were logged)" in CommsLogger().summary_text()
+    assert "(no communication ops were logged)" in CommsRecorder().summary_text()
 
 
 # --------------------------------------------------------------------------- the observer

@@ -66,7 +66,7 @@ def test_without_deepspeeds_start_the_loss_would_differ():
     class OldStart(one_cycle.OneCycle):
         def _apply(self):
             one_cycle.LRSchedule._apply(self)
-            one_cycle.write_momenta(self.optimizer.param_groups, self.get_mom())
+            one_cycle.write_momenta(self.optimizer.param_groups, self.momentum_at(self.last_batch_iteration))
 
     original = one_cycle.OneCycle
     try:

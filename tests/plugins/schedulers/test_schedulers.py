@@ -152,9 +152,9 @@ def test_one_cycle_lr_and_momentum_cycle_then_decay(make_opt):
     group = opt.param_groups[0]
     assert group["lr"] == pytest.approx(lo)
     # before the first step the optimizer holds the lowest momentum (DeepSpeed's start), while
-    # get_mom() reports the formula's value at p = 0
+    # get_mom() reports the formula's value at p = 0, in DeepSpeed's shape: (beta1, 0.99) per group
     assert (group["betas"][0] if "betas" in group else group["momentum"]) == pytest.approx(mlo)
-    assert sched.get_mom() == pytest.approx([mhi])
+    assert len(sched.get_mom()) == 1 and sched.get_mom()[0] == pytest.approx((mhi, 0.99))
     got = trace(sched, opt, 45)
     for t in (0, 4, 8, 9, 10, 19, 28, 29, 30, 34, 44):
         p = t + 1
@@ -168,6 +168,8 @@ def test_one_cycle_lr_and_momentum_cycle_then_decay(make_opt):
         assert got[t][1] == pytest.approx(mom, rel=1e-12), t
     assert got[s1 - 1] == pytest.approx((hi, mlo))  # peak lr, lowest momentum
     assert got[s1 + s2 - 1] == pytest.approx((lo, mhi))  # back at the start
+    # get_mom(): what the optimizer holds now, as DeepSpeed's (momentum, 0.99) pair per group
+    assert len(sched.get_mom()) == 1 and sched.get_mom()[0] == pytest.approx((got[44][1], 0.99))
     if "betas" in group:
         assert group["betas"][1] == 0.99  # beta2 is DeepSpeed's 0.99 while betas[0] cycles
 
