@@ -49,8 +49,9 @@ class BuildContext:
         """Where ``param``'s gradient is averaged: a :class:`dsplug.descriptors.Reduction`.
 
         The first answer of the ``dsplug_param_reduction`` hook (plugins of :attr:`registry`),
-        else the default: the data-parallel group (``comm``), divided by ``world_size``. ZeRO
-        stages ask once per parameter when they are built."""
+        else the default: the data-parallel group (``comm``), divided by ``world_size``; the
+        divisor is 1 under ``gradient_allreduce_op: "sum"``. ZeRO stages ask once per parameter
+        when they are built."""
         from .descriptors import Reduction
         from .events import call_each
 
@@ -63,5 +64,13 @@ class BuildContext:
                     raise TypeError(f"plugin {impl.plugin_name!r} returned {answer!r} from dsplug_param_reduction for "
                                     f"a parameter of shape {tuple(getattr(param, 'shape', ()))}; expected None or a "
                                     "dsplug.descriptors.Reduction with a key")
-                return answer  # the first answer wins (firstresult)
-        return Reduction(None, self.comm, self.world_size)
+                return self._combined(answer)  # the first answer wins (firstresult)
+        return self._combined(Reduction(None, self.comm, self.world_size))
+
+    def _combined(self, reduction):
+        """``gradient_allreduce_op: "sum"``: the reduced gradient is the sum over the ranks, so
+        every reduction's divisor becomes 1 (stages dividing by ``Reduction.divisor`` honour it)."""
+        kernel = getattr(self.config, "kernel", None)
+        if str(getattr(kernel, "gradient_allreduce_op", "mean")).lower() == "sum":
+            return attrs.evolve(reduction, divisor=1)
+        return reduction

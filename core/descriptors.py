@@ -171,7 +171,8 @@ class Reduction:
                 gradient is summed over these ranks (partitioned over them at ZeRO stages 1-2)
                 and the initial value broadcast from its first rank.
     divisor:    what the sum is divided by (to average over all data-parallel ranks' samples this
-                is the data-parallel world size, also when ``comm`` is smaller).
+                is the data-parallel world size, also when ``comm`` is smaller). Under
+                ``gradient_allreduce_op: "sum"`` ``context.reduction_of`` answers 1 instead.
     shard_comm: the ranks that hold *different* values of parameters with this key (together they
                 hold each once), a ``GroupComm``; a quantity summed over the model's parameters
                 (the gradient norm) adds their contributions over these ranks. None: the values

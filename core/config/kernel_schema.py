@@ -77,6 +77,11 @@ class KernelConfig:
         doc="divide gradients by this before the all-reduce (and multiply by it / world size after); "
             "1e-6..1e6: beyond, the division or the multiplication back under- / overflows fp32 and fp16 "
             "gradients into 0 * inf = NaN (DeepSpeed users set 1 or the world size)")
+    gradient_allreduce_op: str = field(
+        "mean", choices=("mean", "sum"), case_insensitive=True,
+        doc="how data-parallel gradients combine: 'mean' averages them over the ranks (a single process on "
+            "the whole batch), 'sum' adds them (no division by the data-parallel size; ZeRO stages that "
+            "declare gradient_sum: 0, 1 and 2)")
     communication_data_type: Optional[str] = field(
         None, choices=DTYPE_NAMES, case_insensitive=True, doc="dtype of gradient all-reduce (default: training dtype)"
     )

@@ -53,6 +53,10 @@ class ZeroStageTraits:
     (:data:`dsplug.contracts.offload.BYTE_ADDRESSABLE` ...) it needs, empty for any device.
     ``offload_ratio``: it honours ``offload_optimizer.ratio`` < 1 (part of the step on the
     accelerator).
+
+    ``gradient_sum``: it honours ``gradient_allreduce_op: "sum"``: it divides each reduced gradient
+    by its reduction's ``divisor`` (:meth:`dsplug.context.BuildContext.reduction_of`), which is 1
+    under ``"sum"``. A config asking for ``"sum"`` with a stage that does not declare it is refused.
     """
 
     deepspeed_stage: Optional[int] = None
@@ -62,6 +66,7 @@ class ZeroStageTraits:
     offload_optimizer: Optional[FrozenSet[str]] = attrs.field(default=None, converter=_capabilities)
     offload_param: Optional[FrozenSet[str]] = attrs.field(default=None, converter=_capabilities)
     offload_ratio: bool = False
+    gradient_sum: bool = False
 
     def zero_optimization_stage(self) -> int:
         """DeepSpeed's number: ``deepspeed_stage``, else 3 / 2 / 1 / 0 by what is partitioned."""

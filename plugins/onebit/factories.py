@@ -48,7 +48,8 @@ _WHOLE_TENSORS = {
 
 def stage0_only(type_name: str):
     """A spec rule: ``type_name`` needs ZeRO stage 0 (``zero_allow_untested_optimizer`` does not
-    change that). It acts only when ``optimizer.type`` selects ``type_name``."""
+    change that) and gradients averaged, not summed. It acts only when ``optimizer.type`` selects
+    ``type_name``."""
     key = type_name.lower()
 
     def rule(config, report) -> None:
@@ -60,6 +61,9 @@ def stage0_only(type_name: str):
             name, why = _WHOLE_TENSORS[key]
             report.error("optimizer.type", f"{name} {why}; use zero_optimization.stage 0 (it is {stage}: at stages "
                                            "1-3 each rank steps a flat slice of the parameters)")
+        if str(config.kernel.gradient_allreduce_op).lower() == "sum":
+            report.error("gradient_allreduce_op", f"'sum' is not supported with {_WHOLE_TENSORS[key][0]}: it "
+                         "averages its compressed momentum over the ranks; leave gradient_allreduce_op at 'mean'")
 
     rule.__name__ = f"stage0_only[{type_name}]"
     return rule

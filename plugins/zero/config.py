@@ -252,4 +252,23 @@ def zero_stage_installed(config, report) -> None:
         report.error("zero_optimization.stage", config.registry.miss_message("zero_stage", str(zero.stage)))
 
 
-RULES = (zeropp_rules, offload_devices_installed, zero_stage_installed)
+def gradient_sum_supported(config, report) -> None:
+    """``gradient_allreduce_op: "sum"`` needs a stage declaring ``gradient_sum`` (stages 0-2; as in
+    DeepSpeed, not stage 3)."""
+    from dsplug.contracts.zero_stage import selected_traits
+
+    if str(config.kernel.gradient_allreduce_op).lower() != "sum":
+        return
+    zero = config.sections.get("zero_optimization")
+    if zero is not None and is_auto(zero.stage):
+        return
+    traits = selected_traits(config)
+    if traits is not None and not traits.gradient_sum:
+        stage = zero.stage if zero is not None else 0
+        name = f"ZeRO stage {stage}" if str(stage).isdigit() else f"the ZeRO stage {stage!r}"
+        report.error("gradient_allreduce_op", f"'sum' is not supported with {name}: it averages gradients "
+                     f"over the ranks; 'sum' works with stage {_stages_with(config, lambda t: t.gradient_sum)} "
+                     "(or leave gradient_allreduce_op at 'mean')")
+
+
+RULES = (zeropp_rules, offload_devices_installed, zero_stage_installed, gradient_sum_supported)

@@ -4,5 +4,5 @@ from __future__ import annotations
 
 from dsplug.contracts.zero_stage import ZeroStageTraits
 
-#: stage 0 partitions nothing and offloads nothing
-TRAITS = ZeroStageTraits(deepspeed_stage=0)
+#: stage 0 partitions nothing and offloads nothing; its reductions divide by the reduction's divisor
+TRAITS = ZeroStageTraits(deepspeed_stage=0, gradient_sum=True)

@@ -24,6 +24,17 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def sgd(lr):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+#: gradient_allreduce_op "sum" at 2 ranks with these knobs: the gradient is 2x the mean, so SGD at lr
+#: steps as plain PyTorch at 2 * lr on the global batch's mean loss
+SUM_RUNS = [(0, {}, {}), (1, {}, {}), (2, {}, {}), (2, {}, {"prescale_gradients": True}),
+            (1, {}, {"gradient_predivide_factor": 4.0}), (2, {"overlap_comm": True, "reduce_bucket_size": 100}, {})]
+SUM_LR = 0.05
+
+
 CASES = {
     # name: (config extras, reference_run kwargs)
     "fp32": ({}, {}),
@@ -98,6 +109,10 @@ def _equivalence_runs():
         kernel = {k: zero.pop(k) for k in ("prescale_gradients", "gradient_predivide_factor") if k in zero}
         config = {**_config("fp32-accum-clip", stage, **zero), **kernel}
         out[(stage, "knobs", repr(sorted({**zero, **kernel}.items())))] = dsplug_run(config, STEPS, optimizer=adamw)
+    for stage, zero, kernel in SUM_RUNS:
+        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "gradient_allreduce_op": "sum",
+                  "zero_optimization": {"stage": stage, **zero}, **kernel}
+        out[("sum", stage, repr(sorted({**zero, **kernel}.items())))] = dsplug_run(config, STEPS, optimizer=sgd(SUM_LR))
     return out
 
 
@@ -140,6 +155,41 @@ def test_communication_knobs_do_not_change_results(two_rank_runs):
     for key in keys:
         for rank_runs in two_rank_runs:
             assert_close_runs(rank_runs[key], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_gradient_allreduce_op_sum_adds_the_ranks_gradients(two_rank_runs):
+    """``gradient_allreduce_op: "sum"``: no division by the data-parallel size, at stages 0-2 and
+    with every averaging knob; SGD on the summed gradient (2x the mean at 2 ranks) at lr equals
+    plain PyTorch on the global batch at 2 * lr (and not at lr: the check can fail)."""
+    want = reference_run(STEPS, 2, MICRO, 1, sgd(2 * SUM_LR))
+    mean_step = reference_run(STEPS, 2, MICRO, 1, sgd(SUM_LR))
+    keys = [k for k in two_rank_runs[0] if k[0] == "sum"]
+    assert len(keys) == len(SUM_RUNS)
+    for key in keys:
+        for rank_runs in two_rank_runs:
+            assert_close_runs(rank_runs[key], want, rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(rank_runs[key]["params"][0], mean_step["params"][0], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero_optimization": {"stage": 3}}, "'sum' is not supported with ZeRO stage 3"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "'sum' is not supported with OneBitAdam"),
+])
+def test_gradient_allreduce_op_sum_is_refused_where_gradients_are_averaged(config, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        dsplug.config.DsplugConfig({"train_batch_size": 1, "gradient_allreduce_op": "sum", **config})
+    assert "gradient_allreduce_op" in str(error.value)
+
+
+def test_gradient_allreduce_op_is_mean_or_sum_in_any_case():
+    from dsplug.runtime.config import DeepSpeedConfig
+
+    assert DeepSpeedConfig({"train_batch_size": 1}).gradient_allreduce_op == "mean"
+    assert DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "SUM"}).gradient_allreduce_op == "sum"
+    with pytest.raises(ConfigError, match="gradient_allreduce_op: 'max' is not valid: must be one of 'mean', 'sum'"):
+        DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "max"})
 
 
 # =========================================================================== knobs, counted
