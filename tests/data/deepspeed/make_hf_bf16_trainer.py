@@ -8,7 +8,9 @@ them (same torch) to ``sys.path``::
     DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(mktemp -d) /work/venvs/ds/bin/python \\
         tests/data/deepspeed/make_hf_bf16_trainer.py --site /work/venv-deps/lib/python3.11/site-packages
 
-runs each stage in a child process and writes ``hf_bf16_trainer.json``: per stage, the Trainer's
+runs each stage in a child process and records in ``hf_bf16_trainer.json``, under this CPU's
+description (:func:`cpu_description`; bf16 results depend on the CPU's bf16 kernels, so each kind
+of CPU the test runs on needs its own recording, added beside the others): per stage, the Trainer's
 logged loss and grad_norm of each of the ``STEPS`` steps and, per parameter, the sum and the sum of
 absolute values (float64) of the trained weights. Gradient clipping is on (the Trainer's 1.0) and
 active at every step, gradients are accumulated over 2 micro-steps in bf16 (DeepSpeed's default
@@ -89,6 +91,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the instruction sets that decide bf16 arithmetic (the recorded
+    trajectories of one description are reproduced bit for bit by another machine with it)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = [name for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if name in flags]
+    return f"{model} [{' '.join(isa) or 'no avx2'}]"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", help="a site-packages folder with transformers and accelerate (appended)")
@@ -103,8 +124,17 @@ def main():
             result[str(stage)] = json.loads(out.split("RESULT ", 1)[1])
         import_version = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
                                         capture_output=True, text=True, check=True).stdout.strip()
+        fixture = {"deepspeed": import_version, "steps": STEPS, "machines": []}
+        if os.path.exists(FIXTURE):
+            with open(FIXTURE) as f:
+                fixture = json.load(f)
+            if fixture["deepspeed"] != import_version or fixture["steps"] != STEPS:
+                raise SystemExit(f"{FIXTURE} holds DeepSpeed {fixture['deepspeed']} / {fixture['steps']} steps; "
+                                 f"this run is {import_version} / {STEPS}: move the old file away first")
+        cpu = cpu_description()
+        fixture["machines"] = [m for m in fixture["machines"] if m["cpu"] != cpu] + [{"cpu": cpu, "stages": result}]
         with open(FIXTURE, "w") as f:
-            json.dump({"deepspeed": import_version, "steps": STEPS, "stages": result}, f, indent=1)
+            json.dump(fixture, f, indent=1)
             f.write("\n")
         return
     if a.site:

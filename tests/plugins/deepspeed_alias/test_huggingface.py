@@ -372,6 +372,21 @@ def test_trainer_llama_gradient_checkpointing_zero3_equals_deepspeed(alias, tmp_
 BF16_TRAINER = Path(__file__).resolve().parents[2] / "data" / "deepspeed" / "make_hf_bf16_trainer.py"
 
 
+def _bf16_mismatches(got: dict, want: dict) -> list:
+    """What differs between a run and one recorded DeepSpeed run (empty: equal)."""
+    problems = []
+    if len(got["losses"]) != len(want["losses"]) or got["losses"] != pytest.approx(want["losses"], rel=1e-7, abs=0):
+        problems.append(f"losses {got['losses']} != {want['losses']}")
+    if got["grad_norms"] != pytest.approx(want["grad_norms"], rel=1e-7, abs=0):
+        problems.append(f"grad norms {got['grad_norms']} != {want['grad_norms']}")
+    if sorted(got["weights"]) != sorted(want["weights"]):
+        problems.append("different parameter names")
+    else:
+        problems += [f"weights of {name}: {got['weights'][name]} != {sums}" for name, sums in want["weights"].items()
+                     if got["weights"][name] != pytest.approx(sums, rel=1e-9, abs=1e-9)]
+    return problems
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_bf16_equals_deepspeed(alias, tmp_path, stage):
     """A tiny GPT-2 in bf16 under the Trainer, 20 steps with clipping active at each: the losses,
@@ -380,19 +395,29 @@ def test_trainer_bf16_equals_deepspeed(alias, tmp_path, stage):
     coefficient computed in double instead of DeepSpeed's fp32 at stages 1-2, fp32 gradient
     accumulation) into weights that round the other way a few steps later; before those were
     matched the loss differed by up to 1.6e-4 and the weights by up to 6.6e-3 (1.1e-2 with fp32
-    accumulation), so the tolerance below is the float printing's, not bf16's."""
-    want = json.loads(BF16_TRAINER.with_name("hf_bf16_trainer.json").read_text())
-    assert want["deepspeed"] == "0.19.8"
-    want = want["stages"][str(stage)]
+    accumulation), so the tolerance below is the float printing's, not bf16's.
+
+    The CPU's bf16 kernels move the trajectory the same way (DeepSpeed itself gives losses 1.6e-4
+    apart on two kinds of CPU from step 10), so the fixture holds one DeepSpeed recording per kind
+    of CPU and the run must equal one of them bit for bit; on a CPU none was recorded on, the
+    failure says how to record it."""
+    fixture = json.loads(BF16_TRAINER.with_name("hf_bf16_trainer.json").read_text())
+    assert fixture["deepspeed"] == "0.19.8" and len(fixture["machines"]) >= 1
     got = _result(_run(alias, tmp_path, BF16_TRAINER.read_text(), ["--stage", str(stage), "--print"], 1))
     assert "+dsplug." in got["deepspeed"] and got["bf16"] and got["zero_stage"] == stage
-    assert len(got["losses"]) == len(want["losses"]) == 20
-    assert got["losses"] == pytest.approx(want["losses"], rel=1e-7, abs=0)
-    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-7, abs=0)
-    assert sorted(got["weights"]) == sorted(want["weights"])
-    for name, sums in want["weights"].items():
-        assert got["weights"][name] == pytest.approx(sums, rel=1e-9, abs=1e-9), name
-    print(f"\nbf16 Trainer ZeRO-{stage}: grad_norm at step 1 {got['grad_norms'][0]} (DeepSpeed {want['grad_norms'][0]})")
+    assert len(got["losses"]) == fixture["steps"] == 20
+    mismatches = {m["cpu"]: _bf16_mismatches(got, m["stages"][str(stage)]) for m in fixture["machines"]}
+    equal = [cpu for cpu, problems in mismatches.items() if not problems]
+    if not equal:
+        sys.path.insert(0, str(BF16_TRAINER.parent))
+        from make_hf_bf16_trainer import cpu_description
+
+        report = "\n".join(f"  recorded on {cpu}: {problems[0][:300]}" for cpu, problems in mismatches.items())
+        pytest.fail(f"bf16 Trainer ZeRO-{stage} equals none of DeepSpeed 0.19.8's recordings:\n{report}\n"
+                    f"this CPU: {cpu_description()}; if none was recorded on this kind of CPU, record DeepSpeed's "
+                    f"run with {BF16_TRAINER.name} (its docstring says how) and compare again")
+    print(f"\nbf16 Trainer ZeRO-{stage}: equal to DeepSpeed's run on {equal[0]}; grad_norm at step 1 "
+          f"{got['grad_norms'][0]}")
 
 
 # --------------------------------------------------------------------------------------- Accelerate
