@@ -70,7 +70,7 @@ class BuildContext:
     def _combined(self, reduction):
         """``gradient_allreduce_op: "sum"``: the reduced gradient is the sum over the ranks, so
         every reduction's divisor becomes 1 (stages dividing by ``Reduction.divisor`` honour it)."""
-        kernel = getattr(self.config, "kernel", None)
-        if str(getattr(kernel, "gradient_allreduce_op", "mean")).lower() == "sum":
+        kernel = getattr(self.config, "kernel", None)  # no config in standalone use
+        if getattr(kernel, "gradient_allreduce_op", "mean") == "sum":
             return attrs.evolve(reduction, divisor=1)
         return reduction

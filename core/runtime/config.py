@@ -65,7 +65,7 @@ class DeepSpeedConfig:
         self.fp32_allreduce = kernel.fp32_allreduce
         self.prescale_gradients = kernel.prescale_gradients
         self.gradient_predivide_factor = kernel.gradient_predivide_factor
-        self.gradient_allreduce_op = str(kernel.gradient_allreduce_op).lower()
+        self.gradient_allreduce_op = kernel.gradient_allreduce_op
         self.sparse_gradients_enabled = kernel.sparse_gradients
         self.gradient_clipping = kernel.gradient_clipping
         self.wall_clock_breakdown = kernel.wall_clock_breakdown

@@ -61,7 +61,7 @@ def stage0_only(type_name: str):
             name, why = _WHOLE_TENSORS[key]
             report.error("optimizer.type", f"{name} {why}; use zero_optimization.stage 0 (it is {stage}: at stages "
                                            "1-3 each rank steps a flat slice of the parameters)")
-        if str(config.kernel.gradient_allreduce_op).lower() == "sum":
+        if config.kernel.gradient_allreduce_op == "sum":
             report.error("gradient_allreduce_op", f"'sum' is not supported with {_WHOLE_TENSORS[key][0]}: it "
                          "averages its compressed momentum over the ranks; leave gradient_allreduce_op at 'mean'")
 

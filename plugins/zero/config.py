@@ -257,7 +257,7 @@ def gradient_sum_supported(config, report) -> None:
     DeepSpeed, not stage 3)."""
     from dsplug.contracts.zero_stage import selected_traits
 
-    if str(config.kernel.gradient_allreduce_op).lower() != "sum":
+    if config.kernel.gradient_allreduce_op != "sum":  # choices are stored lower-case
         return
     zero = config.sections.get("zero_optimization")
     if zero is not None and is_auto(zero.stage):
