@@ -7,7 +7,6 @@ sets them; a failure in any rank raises with that rank's traceback.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -16,12 +15,13 @@ import traceback
 
 import torch
 
+from dsplug.testing.ranks import enter_rank_environment, rank_process_context
+
 from .conftest import REPO, TIMEOUT_SCALE_ENV, Deadline, free_port, timeout_factor
 
 
-def _child(fn, rank, world_size, port, out_path, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _child(fn, rank, world_size, port, out_path, args, environment):
+    enter_rank_environment(environment, rank, world_size, port)
     torch.set_num_threads(1)
     try:
         result = fn(*args)
@@ -38,14 +38,16 @@ def _child(fn, rank, world_size, port, out_path, args):
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
     """``timeout``: seconds of a quiet machine for all ranks to finish; it stretches with the
     machine's speed and load (:class:`tests.conftest.Deadline`)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context()
     # children unpickle ``fn`` from the ``tests`` package: make sure its root is on the path they copy
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, paths[r], args)) for r in range(world_size)]
+        environment = dict(os.environ)
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, paths[r], args, environment))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         deadline = Deadline(timeout)
