@@ -343,6 +343,15 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         return True
 
     # ------------------------------------------------------------------ lifecycle
+    def empty_partition_cache(self) -> None:
+        """Free the full values of partitioned parameters gathered now (ZeRO stage 3; the other
+        stages keep none), then the accelerator's cached memory. Call it between steps."""
+        import gc
+
+        self.stage.release_gathered()
+        gc.collect()
+        self.accelerator.empty_cache()
+
     def destroy(self) -> None:
         """Close monitors' files and remove hooks; the engine is unusable afterwards."""
         self.events.hook.dsplug_engine_closed(engine=self)

@@ -204,9 +204,12 @@ def _implementers(engine, hook: str = "dsplug_checkpoint_state") -> str:
 
 @comm.operation("save_checkpoint")  # a dead or stopped rank is named in the error
 def save_checkpoint(engine, save_dir, tag, client_state, save_latest: bool, exclude_frozen_parameters: bool) -> bool:
+    if save_dir is None or not os.fspath(save_dir):
+        raise ValueError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to save the checkpoint in "
+                         "(each save is a tag directory inside it)")
     save_dir = os.fspath(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _validate_tag(engine, tag)
+    tag = _agreed_tag(engine, tag)
     rank0 = engine.global_rank == 0
 
     def prepare():
@@ -482,15 +485,17 @@ def _on_every_rank(what: str, step, same_error: bool = False, gather: bool = Fal
     return results
 
 
-def _validate_tag(engine, tag: str) -> None:
-    """Every rank checks the tag's name (one rule set, :func:`dsplug.checkpoint.check_tag`) in one
-    exchange, which also serves DeepSpeed's ``checkpoint.tag_validation`` (Ignore / Warn / Fail:
-    whether every rank passed the same tag) — two separate questions."""
+def _agreed_tag(engine, tag: str) -> str:
+    """The tag every rank saves under. Every rank checks the tag's name (one rule set,
+    :func:`dsplug.checkpoint.check_tag`) in one exchange, which also serves DeepSpeed's
+    ``checkpoint.tag_validation`` (Ignore / Warn / Fail: whether every rank passed the same tag) —
+    two separate questions. Ranks that passed different tags under Warn or Ignore save together
+    under rank 0's: a checkpoint's files are one tag directory (DeepSpeed would scatter them)."""
     problem = ckpt.tag_problem(tag)
     if engine.world_size == 1:
         if problem:
             ckpt.check_tag(tag)
-        return
+        return tag
     gathered = comm.all_gather_object((tag, problem))
     if problem:
         ckpt.check_tag(tag)  # raises, naming the rule
@@ -500,11 +505,13 @@ def _validate_tag(engine, tag: str) -> None:
                                        "nothing was saved")
     mode = engine.config.checkpoint.tag_validation
     tags = [t for t, _ in gathered]
-    if mode != "Ignore" and len(set(tags)) > 1:
+    if len(set(tags)) > 1:
         message = f"checkpoint tags differ across ranks: {tags}"
         if mode == "Fail":
             raise ckpt.TagMismatchError(message + " (checkpoint.tag_validation is Fail)")
-        log_rank0("warning: " + message, logging.WARNING)
+        if mode != "Ignore":
+            log_rank0(f"warning: {message}; every rank saves under rank 0's tag {tags[0]!r}", logging.WARNING)
+    return tags[0]
 
 
 def _version() -> str:

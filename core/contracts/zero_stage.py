@@ -263,6 +263,11 @@ class ZeroStage(abc.ABC):
         tensor in the training dtype, readable and, with a ``modifier_rank``, writable in place."""
         return None
 
+    def release_gathered(self) -> None:
+        """Drop the full values of partitioned parameters that are gathered now and that nothing
+        holds (``engine.empty_partition_cache()``, called between steps). The default does nothing:
+        a stage that keeps no gathered values has none to drop."""
+
     def close(self) -> None:
         """Called by ``engine.destroy()`` (or when another engine wraps the same model): remove
         hooks, close the offload devices the stage opened; the stage is not used afterwards."""

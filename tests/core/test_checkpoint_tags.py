@@ -115,3 +115,44 @@ def test_a_file_linking_outside_the_checkpoint_is_not_loaded(tmp_path):
     os.symlink(elsewhere / "t" / "mp_rank_00_model_states.pt", target)  # same bytes: the manifest would pass
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         _engine().load_checkpoint(mine, tag="t")
+
+
+@pytest.mark.parametrize("save_dir", [None, ""])
+def test_a_save_without_a_directory_is_a_value_error_naming_it(save_dir):
+    engine = _engine()
+    with pytest.raises(ValueError, match=f"save_dir is {save_dir!r}; give the directory"):
+        engine.save_checkpoint(save_dir)
+
+
+def _save_with_each_ranks_own_tag(folder, mode):
+    import torch.distributed as dist
+
+    engine = dsplug.initialize(model=make_model(), config={**CONFIG, "checkpoint": {"tag_validation": mode}})[0]
+    x, y = batch(0, 0, dist.get_rank(), 2)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    try:
+        engine.save_checkpoint(folder, tag=f"tag-{dist.get_rank()}")
+    except ckpt.TagMismatchError as e:
+        return {"refused": str(e), "listing": sorted(os.listdir(folder)) if os.path.isdir(folder) else []}
+    fresh = dsplug.initialize(model=make_model(seed=1), config=CONFIG)[0]
+    path, _ = fresh.load_checkpoint(folder)
+    return {"listing": sorted(os.listdir(folder)), "loaded": path,
+            "equal": all(torch.equal(a, b) for a, b in zip(_params(fresh), _params(engine)))}
+
+
+@pytest.mark.parametrize("mode", ["Warn", "Ignore", "Fail"])
+def test_ranks_passing_different_tags_save_under_rank_0s_unless_validation_fails(tmp_path, mode):
+    """DeepSpeed's tag_validation: Fail refuses (an AssertionError, as its tests expect) and writes
+    nothing; Warn and Ignore save, and dsplug keeps the checkpoint whole under rank 0's tag."""
+    from tests.dist_harness import run_distributed
+
+    results = run_distributed(_save_with_each_ranks_own_tag, 2, str(tmp_path / "ck"), mode)
+    if mode == "Fail":
+        for r in results:
+            assert "checkpoint tags differ across ranks: ['tag-0', 'tag-1']" in r["refused"]
+            assert r["listing"] == []
+        assert issubclass(ckpt.TagMismatchError, AssertionError)
+        return
+    for r in results:
+        assert r["listing"] == ["latest", "tag-0"] and r["loaded"].endswith("tag-0") and r["equal"]

@@ -653,6 +653,11 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             for grp in self.groups:
                 grp.master_from_partitions()
 
+    def release_gathered(self) -> None:
+        """Drop every gathered non-persistent parameter that no context holds (the coordinator's
+        trace is kept: the next pass prefetches as before)."""
+        self.partitioner.release_all()
+
     def close(self) -> None:
         """Remove hooks and release the store (an offload plugin deletes its swap files here)."""
         self.coordinator.remove()

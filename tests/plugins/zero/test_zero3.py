@@ -154,6 +154,25 @@ def test_no_grad_forward_gathers_and_releases_and_matches_plain_module():
     assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 
 
+def test_empty_partition_cache_frees_what_a_forward_left_gathered_and_training_goes_on_alike():
+    """DeepSpeed's ``engine.empty_partition_cache()``: a forward without its backward (an
+    evaluation with autograd on) leaves the parameters gathered for the backward; the call frees
+    them, and the next steps train as without it."""
+    kept, emptied = build(config()), build(config())
+    x, _ = local_batch(0, 0, 0, 1)
+    for engine in (kept, emptied):
+        train(engine, 1)  # (the recorded trace keeps what the backward reuses soon)
+        engine(x)  # no backward follows
+    assert any(p.ds_status is ZeroParamStatus.AVAILABLE for p in emptied.module.parameters())
+    assert emptied.stage.memory_breakdown()["gathered_parameters"] > 0
+    emptied.empty_partition_cache()
+    assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in emptied.module.parameters())
+    assert emptied.stage.memory_breakdown()["gathered_parameters"] == 0
+    assert train(emptied, 3, start=1) == train(kept, 3, start=1)
+    for a, b in zip(gathered(emptied.module), gathered(kept.module)):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- knobs
 def test_persistence_threshold_keeps_small_parameters_whole_and_never_gathers_them():
     engine = build(config(stage3_param_persistence_threshold=10 ** 6, stage3_prefetch_bucket_size=0))
