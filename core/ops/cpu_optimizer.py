@@ -55,6 +55,7 @@ class DeepSpeedCPUOptimizer(torch.optim.Optimizer):
     BUILDER = None  # OpBuilder subclass of the op
     STATE_KEYS: Sequence[str] = ()  # moment tensors in self.state[p]
     STATE_ALIASES: Dict[str, str] = {}  # other optimizers' names for the same state (load_state_dict)
+    SPARSE_GRADIENTS = False  # whether _update takes a sparse gradient (e.g. nn.Embedding(sparse=True))
 
     def __init__(self, params, defaults, *, fp32_optimizer_states: bool = True, moment_dtype=None,
                  num_threads: Optional[int] = None):
@@ -88,7 +89,7 @@ class DeepSpeedCPUOptimizer(torch.optim.Optimizer):
         if param.device.type != "cpu":
             raise ValueError(f"{type(self).__name__} updates CPU parameters only; {where} is on {param.device} "
                              f"(offload the optimizer to the CPU, e.g. ZeRO 'offload_optimizer': {{'device': 'cpu'}})")
-        if param.grad.is_sparse:
+        if param.grad.is_sparse and not self.SPARSE_GRADIENTS:
             raise ValueError(f"{type(self).__name__} does not support sparse gradients ({where})")
         if not param.is_contiguous():
             raise ValueError(f"{where} is not contiguous; {type(self).__name__} needs contiguous parameters")

@@ -436,3 +436,50 @@ def test_fallback_adam_matches_torch_optim(adamw, moments):
         ref.grad = g.clone()
         opt.step()
     assert_rel(p, ref.detach(), rtol=1e-6 if moments == torch.float32 else 2e-3, what="fallback vs torch.optim")
+
+
+@pytest.mark.parametrize("lr_decay", [0.0, 0.1])
+def test_adagrad_sparse_gradients_update_like_torchs_sparse_adagrad(native, lr_decay):
+    """nn.Embedding(sparse=True) gives sparse gradients: only the rows looked up change, by torch's
+    sparse Adagrad; rows never looked up keep their values and accumulators."""
+    from dsplug.ops.adagrad import DeepSpeedCPUAdagrad
+
+    torch.manual_seed(0)
+    a = torch.nn.Embedding(40, 8, sparse=True)
+    b = copy.deepcopy(a)
+    ours = DeepSpeedCPUAdagrad(a.parameters(), lr=0.1, lr_decay=lr_decay)
+    ref = torch.optim.Adagrad(b.parameters(), lr=0.1, lr_decay=lr_decay, eps=1e-10)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = torch.randint(0, 20, (6,), generator=generator)  # rows 20-39 never looked up; repeats add up
+        for model, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            (model(ids) ** 2).sum().backward()
+            assert model.weight.grad.is_sparse
+            opt.step()
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.state[a.weight]["exp_avg_sq"], ref.state[b.weight]["sum"], rtol=1e-6, atol=1e-6)
+    torch.manual_seed(0)
+    initial = torch.nn.Embedding(40, 8, sparse=True).weight
+    assert torch.equal(a.weight[20:], initial[20:]) and not torch.equal(a.weight[:20], initial[:20])
+
+
+def test_adagrad_sparse_gradient_with_weight_decay_is_refused_naming_it(native):
+    from dsplug.ops.adagrad import DeepSpeedCPUAdagrad
+
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = DeepSpeedCPUAdagrad(emb.parameters(), lr=0.1, weight_decay=0.01)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: weight_decay=0.01 does not apply to a "
+                                         "sparse gradient"):
+        opt.step()
+
+
+def test_adam_still_refuses_sparse_gradients(native):
+    from dsplug.ops.adam import DeepSpeedCPUAdam
+
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = DeepSpeedCPUAdam(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="does not support sparse gradients"):
+        opt.step()
