@@ -48,11 +48,12 @@ def free_port() -> int:
 
 def rank_process_context() -> multiprocessing.context.BaseContext:
     """The ``multiprocessing`` context rank processes start from: a forkserver that imports torch
-    once, so that a rank does not pay torch's import (seconds on a small machine) again. The
+    once, so that a rank does not pay torch's import (seconds on a small machine) again -- nor
+    ``torch._dynamo``'s, which torch's optimizers import when the first one is built. The
     forkserver's environment is the one it started with: a rank sets the caller's
     (:func:`enter_rank_environment`)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
+    context.set_forkserver_preload(["torch", "torch._dynamo"])
     return context
 
 
