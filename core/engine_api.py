@@ -113,6 +113,21 @@ class DeepSpeedAccessors:
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
 
+    def sparse_gradients_enabled(self) -> bool:
+        return bool(self.config.kernel.sparse_gradients)
+
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed's names of the embedding weights it all-reduces as sparse tensors under
+        ``sparse_gradients: true`` (``<module>.weight`` of each ``nn.Embedding`` / ``EmbeddingBag``;
+        empty otherwise). dsplug reduces them densely (the key is inert) and reports the same names."""
+        import torch
+
+        if not self.sparse_gradients_enabled():
+            return set()
+        return {f"{name}.weight" for name, m in self.module.named_modules()
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 

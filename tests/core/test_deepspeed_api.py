@@ -785,3 +785,17 @@ def test_z3_leaf_module_trains_like_without_it():
         engine.destroy()
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sparse_tensor_module_names_are_deepspeeds_embedding_weights(sparse):
+    """DeepSpeed's engine.sparse_tensor_module_names (its checkpoint tests compare it across a
+    save and load): the embedding weights under sparse_gradients, else empty."""
+    import dsplug
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(8, 2),
+                                torch.nn.EmbeddingBag(10, 4))
+    engine = dsplug.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "sparse_gradients": sparse,
+                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+    assert engine.sparse_gradients_enabled() is sparse
+    assert engine.sparse_tensor_module_names == ({"0.weight", "3.weight"} if sparse else set())
