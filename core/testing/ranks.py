@@ -11,9 +11,10 @@ For authors of plugins whose behaviour is multi-process (a ZeRO stage, a comm-he
     losses = run_ranks(train_two_ranks, 2, 3)          # [rank 0's losses, rank 1's losses]
 
 Each rank is a fresh process, forked from a ``multiprocessing`` forkserver that has imported torch
-once (a rank starts in milliseconds instead of importing torch again); it imports ``fn``'s module,
-so ``fn`` must be a module-level function and its arguments picklable. A rank gets the caller's
-current environment plus what torch's launcher sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
+once (a rank starts in milliseconds instead of importing torch again; spawned where there is no
+forkserver); it imports ``fn``'s module, so ``fn`` must be a module-level function and its
+arguments picklable. A rank gets the caller's current environment plus what torch's launcher
+sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
 ``MASTER_PORT``; ``dsplug.initialize`` (or ``dsplug.comm.init_distributed``) inside ``fn`` joins
 the group with gloo on CPU. The results come back through ``torch.save`` (tensors, dicts, lists,
 numbers), in rank order. A rank that raises fails the call with that rank's traceback; ranks
@@ -51,7 +52,9 @@ def rank_process_context() -> multiprocessing.context.BaseContext:
     once, so that a rank does not pay torch's import (seconds on a small machine) again -- nor
     ``torch._dynamo``'s, which torch's optimizers import when the first one is built. The
     forkserver's environment is the one it started with: a rank sets the caller's
-    (:func:`enter_rank_environment`)."""
+    (:func:`enter_rank_environment`). Where there is no forkserver (Windows), ranks are spawned."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo"])
     return context
