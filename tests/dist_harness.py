@@ -11,28 +11,12 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
-from dsplug.testing.ranks import enter_rank_environment, rank_process_context
+from dsplug.testing.ranks import rank_main, rank_process_context
 
 from .conftest import REPO, TIMEOUT_SCALE_ENV, Deadline, free_port, timeout_factor
-
-
-def _child(fn, rank, world_size, port, out_path, args, environment):
-    enter_rank_environment(environment, rank, world_size, port)
-    torch.set_num_threads(1)
-    try:
-        result = fn(*args)
-        torch.save({"ok": True, "result": result}, out_path)
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, out_path)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
@@ -46,7 +30,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         environment = dict(os.environ)
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, paths[r], args, environment))
+        procs = [ctx.Process(target=rank_main, args=(fn, r, world_size, port, paths[r], args, environment))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -68,7 +68,9 @@ def enter_rank_environment(environment: dict, rank: int, world_size: int, port: 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, out_path: str, args, environment) -> None:
+def rank_main(fn, rank: int, world_size: int, port: int, out_path: str, args, environment) -> None:
+    """A rank process's body: enter the environment, run ``fn(*args)``, save ``{"ok", "result"}``
+    or ``{"ok": False, "error": traceback}`` to ``out_path``, leave the process group."""
     import torch
 
     enter_rank_environment(environment, rank, world_size, port)
@@ -110,7 +112,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 3
         with tempfile.TemporaryDirectory(prefix="dsplug-ranks-") as tmp:
             paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
             environment = dict(os.environ)
-            procs = [context.Process(target=_rank_main, args=(fn, r, world_size, port, paths[r], args, environment))
+            procs = [context.Process(target=rank_main, args=(fn, r, world_size, port, paths[r], args, environment))
                      for r in range(world_size)]
             for p in procs:
                 p.start()
