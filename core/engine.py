@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import pluggy
 import torch
 
-from . import comm, events
+from . import comm, events, lazy_dynamo
 from .accelerator import get_accelerator
 from .config import DsplugConfig
 from .config.auto import model_hidden_size
@@ -29,6 +29,8 @@ from .logging import log_rank0, step_logger
 from .registry import get_registry
 from .timers import StepTimers
 from .comm import groups
+
+lazy_dynamo.install()  # a run's first optimizer no longer imports torch._dynamo (2 s)
 
 #: param-group key linking the engine's groups back to a client optimizer's own groups
 CLIENT_GROUP_INDEX = "_dsplug_client_group"

@@ -18,6 +18,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .. import lazy_dynamo
+
+lazy_dynamo.install()  # building an optimizer no longer imports torch._dynamo (2 s)
+
 MOMENT_DTYPES = {
     None: None, "fp32": None, "float32": None, "float": None, torch.float32: None,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
