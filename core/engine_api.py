@@ -128,6 +128,22 @@ class DeepSpeedAccessors:
         return {f"{name}.weight" for name, m in self.module.named_modules()
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
 
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag, expp_rank: Optional[int] = None) -> str:
+        """The file of ``checkpoints_path/<tag>`` that holds this rank's optimizer state, as
+        DeepSpeed's engine names it for its loads (its tests spy on it). A stage that partitions the
+        optimizer state saves each rank's part in the rank's ``zero_pp_rank_<r>_mp_rank_<m>`` file;
+        otherwise the state is replicated and saved once, in the shared ``mp_rank_<m>_model_states``
+        file (as DeepSpeed does at stage 0). dsplug keeps expert parameters' state in those files
+        too, so ``expp_rank`` (DeepSpeed's index of a separate expert-parallel file) selects nothing."""
+        import os
+
+        from . import checkpoint as ckpt
+
+        mp_rank = self.context.mp_rank
+        partitioned = traits_of(self.stage).partitions_optimizer_states
+        name = ckpt.optim_file(self.context.rank, mp_rank) if partitioned else ckpt.model_file(mp_rank)
+        return os.path.join(checkpoints_path, str(tag), name)
+
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 

@@ -799,3 +799,41 @@ def test_sparse_tensor_module_names_are_deepspeeds_embedding_weights(sparse):
                                                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
     assert engine.sparse_gradients_enabled() is sparse
     assert engine.sparse_tensor_module_names == ({"0.weight", "3.weight"} if sparse else set())
+
+
+@pytest.mark.parametrize("stage, file_name", [(0, "mp_rank_00_model_states.pt"),
+                                              (2, "zero_pp_rank_0_mp_rank_00_optim_states.pt")])
+def test_optimizer_checkpoint_name_is_the_file_holding_this_ranks_optimizer_state(tmp_path, stage, file_name):
+    """DeepSpeed's engine._get_optimizer_ckpt_name (its checkpoint tests spy on it): the file of the
+    tag directory that a save wrote this rank's optimizer state into (the shared file where the
+    state is replicated, the rank's file where the stage partitions it)."""
+    import dsplug
+
+    model = torch.nn.Linear(4, 2)
+    engine = dsplug.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                    "zero_optimization": {"stage": stage},
+                                                    "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})[0]
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="t1")
+    name = engine._get_optimizer_ckpt_name(str(tmp_path), "t1", 0)
+    assert name == str(tmp_path / "t1" / file_name)
+    exp_avg_sq = sorted(float(t.abs().sum()) for s in engine.optimizer.state.values() for k, t in s.items()
+                        if k == "exp_avg_sq")
+    from dsplug import checkpoint as ckpt
+
+    saved = sorted(float(t.abs().sum()) for t in _tensors(ckpt.load_file(name))
+                   if t.numel() in (2, 8, 10))  # weight, bias, or both flattened
+    assert exp_avg_sq and all(any(abs(v - w) <= 1e-6 * max(1.0, v) for w in saved) for v in exp_avg_sq), \
+        f"the optimizer's state is not in {file_name}"
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
