@@ -66,6 +66,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
             set_timeout(wanted)
         return
     if dist_init_required is False:
+        _no_group_wanted()
         return
     if auto_mpi_discovery:
         discovery.discover(port=distributed_port)
@@ -145,9 +146,22 @@ def planned_world_size(dist_init_required: Optional[bool] = None) -> int:
     if is_initialized():
         return get_world_size()
     if dist_init_required is False:
+        _no_group_wanted()
         return 1
     discovery.discover()
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _no_group_wanted() -> None:
+    """``dist_init_required=False`` with no process group: a process alone trains as a world of
+    one; one of several (``WORLD_SIZE`` > 1) would silently train alone, so it is refused (as
+    DeepSpeed refuses it, which never runs without a group)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip().isdigit() and int(world) > 1:
+        raise ValueError(f"dist_init_required=False, but torch.distributed has no process group and this process "
+                         f"is rank {os.environ.get('RANK', '?')} of WORLD_SIZE={world}: create the group first "
+                         "(torch.distributed.init_process_group), or leave dist_init_required unset (None) so "
+                         "that dsplug creates it")
 
 
 def get_timeout() -> timedelta:

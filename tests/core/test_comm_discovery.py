@@ -39,3 +39,26 @@ def test_discovery_errors_name_the_variables():
         discovery.discover({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "4"})
     with pytest.raises(discovery.DiscoveryError, match=r"PMI_SIZE='x' is not an integer"):
         discovery.discover({"PMI_RANK": "0", "PMI_SIZE": "x"})
+
+
+def test_dist_init_required_false_without_a_group_is_refused_for_one_of_several_processes(monkeypatch):
+    """dist_init_required=False and no process group: one process alone runs as a world of one;
+    one of WORLD_SIZE=2 would silently train alone, so init_distributed and initialize refuse it."""
+    import torch
+
+    import dsplug
+    from dsplug import comm
+
+    assert not comm.is_initialized()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    comm.init_distributed(dist_init_required=False)
+    assert not comm.is_initialized() and comm.planned_world_size(False) == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"dist_init_required=False, .* rank 1 of WORLD_SIZE=2: create the group"):
+        comm.init_distributed(dist_init_required=False)
+    with pytest.raises(ValueError, match="dist_init_required=False"):
+        dsplug.initialize(model=torch.nn.Linear(2, 2), dist_init_required=False,
+                          config={"train_micro_batch_size_per_gpu": 1})
+    assert not comm.is_initialized()
