@@ -2,6 +2,7 @@
 pool, pure-Python fallback), many files, concurrent handles, async + wait, and error messages."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -158,6 +159,38 @@ def test_offset_writes_compose_one_file(make_handle, tmp_path):
     tail = torch.empty(65536, dtype=torch.uint8)
     h.sync_pread(tail, path, 2 * 65536)
     assert same_bytes(tail, whole[2 * 65536:])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="fd= reopens through /proc/self/fd (Linux)")
+def test_open_file_descriptors_as_deepspeed_passes_them(make_handle, tmp_path):
+    """DeepSpeed's fd= form: the caller opens the file (O_DIRECT here, as DeepSpeed's tests do);
+    parts written through the descriptor at their offsets read back through another one."""
+    h = make_handle()
+    whole = _random_tensor(2 * 65536, torch.uint8, 11)
+    path = tmp_path / "by_fd.bin"
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        for k in (1, 0):
+            h.async_pwrite(buffer=whole[k * 65536:(k + 1) * 65536], fd=fd, file_offset=k * 65536)
+        assert h.wait() == 2
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == whole.numpy().tobytes()
+    back = torch.empty_like(whole)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h.sync_pread(back, fd=fd)
+        with pytest.raises(TypeError, match="filename= or fd=, not both"):
+            h.async_pread(back, path, fd=fd)
+    finally:
+        os.close(fd)
+    assert same_bytes(back, whole)
+    with pytest.raises(TypeError, match=r"filename= \(a path\) or fd="):
+        h.sync_pwrite(whole)
+    with pytest.raises(OSError, match="not an open file descriptor"):
+        h.sync_pwrite(whole, fd=10 ** 6)  # above any descriptor limit: never open
+    with pytest.raises(ValueError, match="fd must be an open file descriptor"):
+        h.sync_pwrite(whole, fd=-1)
 
 
 def test_errors_name_the_file_and_sizes(make_handle, tmp_path):

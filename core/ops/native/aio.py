@@ -141,9 +141,28 @@ class AioHandle:
         if os.path.isdir(path):
             raise IsADirectoryError(errno.EISDIR, f"cannot write {nbytes} bytes: the path is a directory", path)
 
-    def _prepare(self, buffer, filename, file_offset, is_read):
+    @staticmethod
+    def _target(filename, fd):
+        """What a request opens: ``filename``, or, for DeepSpeed's ``fd=`` (a file descriptor the
+        caller opened), the same file reopened through ``/proc/self/fd`` (Linux)."""
+        if fd is None:
+            if filename is None:
+                raise TypeError("give the file: filename= (a path) or fd= (an open file descriptor)")
+            return filename
+        if filename is not None:
+            raise TypeError(f"give filename= or fd=, not both (got {filename!r} and fd {fd!r})")
+        if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+            raise ValueError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
+        link = f"/proc/self/fd/{fd}"
+        if not os.path.isdir("/proc/self/fd"):
+            raise OSError(errno.ENOSYS, "fd= needs /proc/self/fd (Linux) to reopen the file; give filename= instead")
+        if not os.path.lexists(link):
+            raise OSError(errno.EBADF, f"fd {fd} is not an open file descriptor of this process")
+        return link
+
+    def _prepare(self, buffer, filename, file_offset, is_read, fd=None):
         address, nbytes = self._buffer(buffer)
-        path, offset = self._path(filename), self._offset(file_offset)
+        path, offset = self._path(self._target(filename, fd)), self._offset(file_offset)
         if is_read:
             self._check_readable(path, nbytes, offset)
         else:
@@ -171,8 +190,8 @@ class AioHandle:
                                f"differ at byte {at} (of {len(data)}, file offset {offset})")
 
     # ------------------------------------------------------------------ I/O
-    def _submit(self, buffer, filename, file_offset, is_read, validate) -> None:
-        address, nbytes, path, offset = self._prepare(buffer, filename, file_offset, is_read)
+    def _submit(self, buffer, filename, file_offset, is_read, validate, fd=None) -> None:
+        address, nbytes, path, offset = self._prepare(buffer, filename, file_offset, is_read, fd)
         code, message = self._engine.submit(is_read, address, nbytes, path, offset)
         if code:
             self._raise((code, message))
@@ -197,32 +216,33 @@ class AioHandle:
             raise TypeError(f"unexpected keyword argument(s): {', '.join(kwargs)}")
         return bool(async_op)
 
-    def pread(self, buffer, filename, validate: bool = False, async_op: bool = False, file_offset: int = 0,
-              **kwargs) -> int:
-        """Read ``filename`` (from ``file_offset``) into ``buffer``. Non-blocking when async
-        (returns 0; call wait()), else waits and returns the completed count."""
+    def pread(self, buffer, filename=None, validate: bool = False, async_op: bool = False, file_offset: int = 0,
+              fd: Optional[int] = None, **kwargs) -> int:
+        """Read ``filename`` (or the file open as ``fd``) from ``file_offset`` into ``buffer``.
+        Non-blocking when async (returns 0; call wait()), else waits and returns the completed count."""
         async_op = self._async_flag(async_op, kwargs)
-        self._submit(buffer, filename, file_offset, True, validate)
+        self._submit(buffer, filename, file_offset, True, validate, fd)
         return 0 if async_op else self.wait()
 
-    def pwrite(self, buffer, filename, validate: bool = False, async_op: bool = False, file_offset: int = 0,
-               **kwargs) -> int:
-        """Write ``buffer`` to ``filename`` at ``file_offset`` (created if missing, not truncated)."""
+    def pwrite(self, buffer, filename=None, validate: bool = False, async_op: bool = False, file_offset: int = 0,
+               fd: Optional[int] = None, **kwargs) -> int:
+        """Write ``buffer`` to ``filename`` (or the file open as ``fd``) at ``file_offset`` (created
+        if missing, not truncated)."""
         async_op = self._async_flag(async_op, kwargs)
-        self._submit(buffer, filename, file_offset, False, validate)
+        self._submit(buffer, filename, file_offset, False, validate, fd)
         return 0 if async_op else self.wait()
 
-    def sync_pread(self, buffer, filename, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, False, file_offset)
+    def sync_pread(self, buffer, filename=None, file_offset: int = 0, fd: Optional[int] = None) -> int:
+        return self.pread(buffer, filename, False, False, file_offset, fd)
 
-    def sync_pwrite(self, buffer, filename, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, False, False, file_offset)
+    def sync_pwrite(self, buffer, filename=None, file_offset: int = 0, fd: Optional[int] = None) -> int:
+        return self.pwrite(buffer, filename, False, False, file_offset, fd)
 
-    def async_pread(self, buffer, filename, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, True, file_offset)
+    def async_pread(self, buffer, filename=None, file_offset: int = 0, fd: Optional[int] = None) -> int:
+        return self.pread(buffer, filename, False, True, file_offset, fd)
 
-    def async_pwrite(self, buffer, filename, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, False, True, file_offset)
+    def async_pwrite(self, buffer, filename=None, file_offset: int = 0, fd: Optional[int] = None) -> int:
+        return self.pwrite(buffer, filename, False, True, file_offset, fd)
 
     def _blocking(self, buffer, filename, validate, file_offset, is_read) -> int:
         address, nbytes, path, offset = self._prepare(buffer, filename, file_offset, is_read)
