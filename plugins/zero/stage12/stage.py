@@ -304,7 +304,8 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def _joined_state(self, gi: int) -> dict:
         """Group ``gi``'s optimizer state over its whole partition: element-wise state concatenated
-        over the chunks, per-group scalars (the same in every chunk) from the first."""
+        over the chunks; per-group values (the same in every chunk) from the first: scalars, and
+        one-element tensors that are not element-wise (a step counter kept as a tensor of shape (1,))."""
         partition = self.groups[gi].partition_numel
         per_chunk = [self.optimizer.state.get(c, {}) for c in self.chunks[gi]]
         state = {}
@@ -312,6 +313,9 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 parts = [s[key] for s in per_chunk]
                 if any(p.shape != c.shape for p, c in zip(parts, self.chunks[gi])):
+                    if all(p.numel() == 1 for p in parts):
+                        state[key] = value
+                        continue
                     raise RuntimeError(f"optimizer state {key!r} of group {gi} is neither a scalar nor element-wise "
                                        f"(shape {tuple(value.shape)} for a slice of {self.chunks[gi][0].numel()})")
                 state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -334,3 +334,55 @@ def test_merge_rebuilds_any_layout(shapes, world, layout):
         assert torch.equal(merged.fp32[name], t)
         assert torch.equal(merged.state["m"][name], t * 3)
     assert merged.scalars == {"step": 2}
+
+
+class _CounterStateSGD(torch.optim.Optimizer):
+    """SGD whose state holds a Python int and a one-element tensor counter (not element-wise),
+    as DeepSpeed's HybridStateOptimizer test optimizer does."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["integer_step"], state["tensor_step"] = 0, torch.zeros(1)
+                p.add_(p.grad, alpha=-group["lr"])
+                state["integer_step"] += 1
+                state["tensor_step"] += 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_element_state_tensors_are_saved_per_group_and_resume_exactly(tmp_path, stage):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True}
+
+    def build():
+        torch.manual_seed(0)
+        model = make_model()
+        return dsplug.initialize(model=model, optimizer=_CounterStateSGD(model.parameters()), config=config)[0]
+
+    def train(engine, steps, start):
+        for i in range(start, start + steps):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(2, IN, generator=gen), torch.randn(2, OUT, generator=gen)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+
+    first = build()
+    train(first, 3, 0)
+    first.save_checkpoint(str(tmp_path), tag="t")
+    train(first, 2, 3)
+    resumed = build()
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    states = list(resumed.optimizer.state.values())
+    assert states and all(s["integer_step"] == 3 and torch.equal(s["tensor_step"], torch.tensor([3.0]))
+                          for s in states)
+    train(resumed, 2, 3)
+    for got, want in zip(resumed.module.parameters(), first.module.parameters()):
+        assert torch.equal(got, want)
