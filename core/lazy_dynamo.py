@@ -36,7 +36,10 @@ class _DisableOnDemand:
             return self.fn(*args, **kwargs)
         import torch._dynamo
 
-        disabled = torch._dynamo.disable(self.fn, self.recursive, wrapping=False)
+        try:
+            disabled = torch._dynamo.disable(self.fn, self.recursive, wrapping=False)  # as torch's wrapper builds it
+        except TypeError:  # an older torch, whose disable has no `wrapping`
+            disabled = torch._dynamo.disable(self.fn, self.recursive)
         setattr(self.fn, CACHE_ATTR, disabled)  # torch's own cache from here on
         return disabled(*args, **kwargs)
 
@@ -57,11 +60,15 @@ def install(owners=None) -> int:
     calls) the on-demand stand-in; returns how many it found. Idempotent."""
     import torch
     import torch.utils.checkpoint
-    from torch import _compile
 
+    try:
+        from torch import _compile
+
+        wrapper_code = _compile._disable_dynamo(lambda: None).__code__  # the code object every wrapper shares
+    except (ImportError, AttributeError):  # a torch without this helper: nothing to defer
+        return 0
     if owners is None:
         owners = (torch.optim.Optimizer, torch.utils.checkpoint, torch.nn.parallel.DistributedDataParallel)
-    wrapper_code = _compile._disable_dynamo(lambda: None).__code__  # the code object every wrapper shares
     found = 0
     for owner in owners:
         for value in list(vars(owner).values()):
