@@ -85,6 +85,24 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
+def make_executable(path: str) -> bool:
+    """Add the owner's execute bit to ``path`` (``zero_to_fp32.py`` beside the checkpoints, so that
+    ``./zero_to_fp32.py`` runs). A file system that keeps no permissions (a cloud file share) or a
+    file that is gone is no error: the script still runs as ``python zero_to_fp32.py``, and the
+    log says so at info level. Returns whether the bit is set."""
+    import stat
+
+    from dsplug.logging import logger
+
+    try:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+        return True
+    except OSError as exc:
+        logger.info("could not make %s executable (%s: %s); run it as `python %s`", path,
+                    type(exc).__name__, exc.strerror or exc, os.path.basename(path))
+        return False
+
+
 def atomic_save(obj: Any, path: str) -> Dict[str, Any]:
     """``torch.save`` to ``path`` crash-safely; returns its manifest entry (sha256, bytes)."""
     buffer = io.BytesIO()

@@ -90,7 +90,7 @@ class ZeroConfig:
         False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
         doc="gather the full 16-bit weights in save_16bit_model()")
     stage3_module_granularity_threshold: int = field(0, ge=0, doc="treat modules below this size as leaves")
-    elastic_checkpoint: bool = field(False, doc="checkpoints loadable at another world size", inert='dsplug checkpoints always reload at another world size')
+    elastic_checkpoint: bool = field(False, doc="checkpoints loadable at another world size", inert='ZeRO elastic checkpointing is deprecated, DeepSpeed no longer supports it at stage 3; dsplug checkpoints always reload at another world size')
     ignore_unused_parameters: bool = field(True, doc="tolerate parameters that get no gradient")
     legacy_stage1: bool = field(False, doc="DeepSpeed's older stage 1 implementation")
     memory_efficient_linear: bool = field(True, doc="stage 3: memory-efficient linear autograd function", inert='stage 3 uses the standard linear autograd function')

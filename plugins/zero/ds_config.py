@@ -44,10 +44,19 @@ class _Parsed:
     _path = ""
     _short: Dict[str, str] = {}
 
-    def __init__(self, data: Optional[Dict[str, Any]] = None, **kwargs):
+    def __init__(self, data: Optional[Dict[str, Any]] = None, _log_issues: bool = True, **kwargs):
+        from dsplug.config.schema import Report
+        from dsplug.logging import logger
+
         given = dict(data or {}, **kwargs)
         object.__setattr__(self, "_given", given)
-        object.__setattr__(self, "_parsed", parse(self._schema, given, self._path))
+        report = Report()
+        object.__setattr__(self, "_parsed", parse(self._schema, given, self._path, report))
+        report.raise_if_errors()
+        # DeepSpeed's config models log their deprecations on its logger; so do these, unless the
+        # section comes from a whole config, which has warned already (as warnings)
+        for issue in list(report.warnings) + list(report.notices) if _log_issues else ():
+            logger.warning(str(issue))
 
     def __getattr__(self, name: str):
         parsed = self.__dict__.get("_parsed")
@@ -108,8 +117,8 @@ class DeepSpeedZeroConfig(_Parsed):
         "module_granularity_threshold": "stage3_module_granularity_threshold",
     }
 
-    def __init__(self, data: Optional[Dict[str, Any]] = None, **kwargs):
-        super().__init__(data, **kwargs)
+    def __init__(self, data: Optional[Dict[str, Any]] = None, _log_issues: bool = True, **kwargs):
+        super().__init__(data, _log_issues, **kwargs)
         value = self._parsed.stage
         if str(value) not in ("0", "1", "2", "3"):  # another stage must be an installed plugin
             from dsplug.config.schema import Report
@@ -140,7 +149,7 @@ class DeepSpeedZeroConfig(_Parsed):
                   "offload_optimizer": ("cpu_offload",)}[key]
         if given is None and not any(self._given.get(old) for old in legacy):
             return None
-        return cls(to_dict(getattr(self._parsed, key)))
+        return cls(to_dict(getattr(self._parsed, key)), _log_issues=False)
 
     @property
     def offload_param(self) -> Optional[DeepSpeedZeroOffloadParamConfig]:
@@ -188,5 +197,6 @@ def deepspeed_config_attributes(config) -> Dict[str, Any]:
     return {
         "zero_optimization_stage": stage,
         "zero_enabled": stage > 0,
-        "zero_config": DeepSpeedZeroConfig({"stage": 1 if section else 0} if isinstance(section, bool) else dict(section)),
+        "zero_config": DeepSpeedZeroConfig({"stage": 1 if section else 0} if isinstance(section, bool) else dict(section),
+                                           _log_issues=False),
     }

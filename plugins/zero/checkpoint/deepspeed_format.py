@@ -423,7 +423,7 @@ SCRIPT_NAME = "zero_to_fp32.py"
 
 
 def write_script(save_dir: str) -> None:
-    """(rank 0) the standalone ``zero_to_fp32.py`` into ``save_dir``, as DeepSpeed does."""
+    """(rank 0) the standalone ``zero_to_fp32.py`` into ``save_dir``, executable, as DeepSpeed does."""
     from . import zero_to_fp32_script
 
     if not save_dir or not os.path.isdir(save_dir):
@@ -432,11 +432,13 @@ def write_script(save_dir: str) -> None:
         with open(zero_to_fp32_script.__file__, "rb") as f:
             text = f.read()
         path = os.path.join(save_dir, SCRIPT_NAME)
+        current = None
         if os.path.isfile(path):
             with open(path, "rb") as f:
-                if f.read() == text:
-                    return
-        ckpt.atomic_write_bytes(path, text)
+                current = f.read()
+        if current != text:
+            ckpt.atomic_write_bytes(path, text)
+        ckpt.make_executable(path)
     except OSError as exc:
         log.warning("could not write %s into %s: %s", SCRIPT_NAME, save_dir, exc)
 

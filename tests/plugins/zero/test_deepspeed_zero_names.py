@@ -104,3 +104,30 @@ def test_cpu_offload_param_in_a_config_warns_and_offloads():
     with pytest.warns(Warning, match="cpu_offload_param.*deprecated"):
         config = DsplugConfig({"train_batch_size": 1, "zero_optimization": {"stage": 3, "cpu_offload_param": True}})
     assert config.to_dict()["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_elastic_checkpoint_logs_deepspeeds_deprecation_on_the_logger(monkeypatch):
+    """DeepSpeed's config model logs that ZeRO-3 elastic checkpointing is deprecated (its
+    test_elastic_checkpoint_is_deprecated_for_zero3 patches ``deepspeed.utils.logger.warning``);
+    a whole config warns once, as a warning, not again on the logger when its section is read."""
+    from dsplug.config import DsplugConfig
+    from dsplug.runtime.config import DeepSpeedConfig
+    from dsplug.runtime.zero.config import DeepSpeedZeroConfig
+    from dsplug.utils import logger
+
+    logged = []
+    monkeypatch.setattr(logger, "warning", lambda message, *args, **kwargs: logged.append(str(message)))
+    DeepSpeedZeroConfig(stage=3)
+    assert logged == []
+    DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert len(logged) == 1 and "elastic checkpointing is deprecated" in logged[0].lower()
+    assert logged[0].startswith("zero_optimization.elastic_checkpoint")
+
+    logged.clear()
+    raw = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "elastic_checkpoint": True}}
+    with pytest.warns(Warning, match="elastic checkpointing is deprecated"):
+        DsplugConfig(dict(raw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert DeepSpeedConfig(dict(raw)).zero_config.elastic_checkpoint is True
+    assert logged == []

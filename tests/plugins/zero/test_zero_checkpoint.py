@@ -386,3 +386,38 @@ def test_one_element_state_tensors_are_saved_per_group_and_resume_exactly(tmp_pa
     train(resumed, 2, 3)
     for got, want in zip(resumed.module.parameters(), first.module.parameters()):
         assert torch.equal(got, want)
+
+
+def _log_calls(monkeypatch, level):
+    from dsplug.utils import logger
+
+    calls = []
+    monkeypatch.setattr(logger, level, lambda message, *args, **kwargs: calls.append(message % args))
+    return calls
+
+
+def test_recovery_script_is_executable_and_a_refused_chmod_only_logs(tmp_path, monkeypatch):
+    """``zero_to_fp32.py`` beside the checkpoints is executable, as DeepSpeed's; a file system that
+    refuses chmod (a cloud file share) logs at info level and the save still lands (DeepSpeed's
+    test_chmod_exception_handling calls the engine's private ``_change_recovery_script_permissions``)."""
+    import stat
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    engine = dsplug.initialize(model=make_model(), optimizer=lambda g: torch.optim.SGD(g, lr=0.1),
+                               config=config)[0]
+    engine.save_checkpoint(str(tmp_path / "ok"), tag="t")
+    script = tmp_path / "ok" / "zero_to_fp32.py"
+    assert os.stat(script).st_mode & stat.S_IXUSR
+
+    infos = _log_calls(monkeypatch, "info")
+    engine._change_recovery_script_permissions(str(tmp_path / "missing" / "zero_to_fp32.py"))
+    assert len(infos) == 1 and "could not make" in infos[0] and "python zero_to_fp32.py" in infos[0]
+
+    def refuse(path, mode):
+        raise PermissionError(1, "Operation not permitted", path)
+
+    infos.clear()
+    monkeypatch.setattr(os, "chmod", refuse)
+    engine.save_checkpoint(str(tmp_path / "share"), tag="t")
+    assert (tmp_path / "share" / "t" / MODEL_FILE).is_file() and (tmp_path / "share" / "zero_to_fp32.py").is_file()
+    assert any("Operation not permitted" in m for m in infos), infos
