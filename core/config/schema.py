@@ -286,8 +286,14 @@ _BOOLEAN_STRINGS = {"true": True, "false": False}
 
 
 def boolean_from_string(value, path: str, report: Report):
-    """The boolean a ``"true"`` / ``"false"`` string (any case) stands for, warning into ``report``;
-    None for any other value."""
+    """The boolean a ``"true"`` / ``"false"`` string (any case) or the number ``1`` / ``0`` stands
+    for, warning into ``report`` (DeepSpeed's config models take both silently); None for any other
+    value."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        flag = bool(value)
+        text = "true" if flag else "false"
+        report.warn(path, f"{value} is a number; read as the JSON boolean {text} (write {text})")
+        return flag
     if not isinstance(value, str) or value.lower() not in _BOOLEAN_STRINGS:
         return None
     flag = _BOOLEAN_STRINGS[value.lower()]
@@ -311,7 +317,7 @@ def _coerce(tp, value, path: str, report: Report, finite: bool = True):
             return None
         invalid = None
         nested = None  # (report, result) of a schema member the object parsed into, with errors
-        if isinstance(value, str):  # a string a member takes as it is wins over "true" read as a boolean
+        if not isinstance(value, bool):  # a string or number a member takes as it is wins over a boolean
             args = tuple(sorted(args, key=lambda arg: arg is bool))
         for arg in args:
             if arg is type(None):

@@ -535,3 +535,35 @@ def test_a_string_member_of_a_union_keeps_true_as_a_string():
 
     assert parse(Either, {"value": "true"}).value == "true"
     assert parse(Either, {"value": True}).value is True
+
+
+@pytest.mark.parametrize("number,flag", [(1, True), (0, False)])
+def test_one_and_zero_for_a_boolean_read_as_true_and_false_with_a_warning(number, flag):
+    """DeepSpeed's config models take 1 / 0 for a boolean (its own tests write
+    ``"zero_allow_untested_optimizer": 1``): dsplug reads them too, and says how to write it."""
+    text = "true" if flag else "false"
+    raw = {"train_batch_size": 8, "zero_allow_untested_optimizer": number, "fp16": {"enabled": number},
+           "zero_optimization": {"stage": 2, "cpu_offload": number}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = DsplugConfig(raw, world_size=1)
+    assert config.kernel.zero_allow_untested_optimizer is flag and config["fp16"]["enabled"] is flag
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == ("cpu" if flag else "none")
+    messages = [str(w.message) for w in caught if issubclass(w.category, DsplugDeprecationWarning)]
+    assert f"zero_allow_untested_optimizer: {number} is a number; read as the JSON boolean {text} (write {text})" \
+        in messages
+
+
+@pytest.mark.parametrize("value", [2, -1, 1.0, 0.5])
+def test_other_numbers_for_a_boolean_stay_errors(value):
+    assert errors_of({"train_batch_size": 8, "fp16": {"enabled": value}}) == [
+        f"fp16.enabled: {value!r} is not valid: expected a boolean"]
+
+
+def test_a_number_member_of_a_union_keeps_one_as_a_number():
+    @schema_decorator
+    class Either:
+        value: typing.Union[bool, int] = schema_field(False)
+
+    assert parse(Either, {"value": 1}).value == 1 and parse(Either, {"value": 1}).value is not True
+    assert parse(Either, {"value": True}).value is True

@@ -42,7 +42,7 @@ def test_schema_has_deepspeeds_keys_and_defaults():
 
 def test_schema_errors_name_the_key_and_what_is_valid():
     config = {"train_batch_size": 2, "comms_logger": {"enabled": "yes", "verbos": True,
-                                                       "prof_ops": ["all_reduse", "all_gather"], "debug": 1}}
+                                                       "prof_ops": ["all_reduse", "all_gather"], "debug": 2}}
     with pytest.raises(ConfigError) as info:
         DsplugConfig(config, world_size=1)
     issues = {issue.path: issue.message for issue in info.value.issues}

@@ -44,7 +44,7 @@ def test_schema_has_every_documented_key_with_deepspeed_default():
     ({"module_depth": -2}, "flops_profiler.module_depth", "must be >= -1"),
     ({"top_modules": 0}, "flops_profiler.top_modules", "must be >= 1"),
     ({"recompute_fwd_factor": 1.5}, "flops_profiler.recompute_fwd_factor", "must be <= 1.0"),
-    ({"detailed": 1}, "flops_profiler.detailed", "expected a boolean"),
+    ({"detailed": 2}, "flops_profiler.detailed", "expected a boolean"),
     ({"output_file": ""}, "flops_profiler.output_file", "must be a file path, or null"),
     ({"output_file": 3}, "flops_profiler.output_file", "expected a string or null"),
 ])

@@ -355,7 +355,7 @@ def test_schema_wrong_type_and_bad_values():
     assert "scheduler.params.cycle_momentum: 'yes' is not valid: expected a boolean" in text
     assert "scheduler.params.cycle_first_step_size: 0 is not valid: must be >= 1" in text
     assert "cycle_min_lr" in errors_of(OneCycleParams, {"cycle_max_lr": 1.0})  # required
-    assert "lr_range_test_staircase" in errors_of(LRRangeTestParams, {"lr_range_test_staircase": 1})
+    assert "lr_range_test_staircase" in errors_of(LRRangeTestParams, {"lr_range_test_staircase": 2})
 
 
 def test_schema_cross_field_rules_name_keys_and_values():
