@@ -41,6 +41,12 @@ class ModelRequiredError(ValueError, AssertionError):
     given, and code written against it catches that."""
 
 
+class SchedulerBindingError(ValueError, AssertionError):
+    """An ``lr_scheduler`` object built on an optimizer that is not the engine's: stepping it would
+    change the learning rate of an optimizer that never steps. Also an ``AssertionError``: DeepSpeed
+    asserts this, and code written against it catches that."""
+
+
 class Engine(DeepSpeedAccessors, torch.nn.Module):
     """What ``dsplug.initialize`` returns; DeepSpeed's ``DeepSpeedEngine`` API."""
 
@@ -85,7 +91,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.before_zero_stage(model)
         self.stage = self._build_stage(model, _param_groups(model, model_parameters, optimizer), optimizer)
         self.optimizer = self.stage.optimizer
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
         self.counters = EngineCounters()
@@ -172,7 +178,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             return lambda groups: selected.build(groups, selected.params, context)
         return lambda groups: None
 
-    def _build_scheduler(self, client_scheduler):
+    def _build_scheduler(self, client_scheduler, client_optimizer):
         selected = self.config.scheduler
         if client_scheduler is not None and selected is not None:
             raise ValueError("dsplug.initialize: an lr_scheduler was passed and the config has a 'scheduler' section; "
@@ -180,6 +186,17 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if client_scheduler is not None:
             if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
                 return client_scheduler(self.optimizer)
+            bound = getattr(client_scheduler, "optimizer", None)
+            if isinstance(bound, torch.optim.Optimizer) and bound is not self.optimizer \
+                    and bound is not client_optimizer:
+                engines = ("the engine has no optimizer" if self.optimizer is None else
+                           "the engine's is built by the optimizer callable" if callable(client_optimizer) else
+                           "the engine's is built from the config's 'optimizer' section")
+                raise SchedulerBindingError(
+                    f"dsplug.initialize: lr_scheduler ({type(client_scheduler).__name__}) was built on another "
+                    f"optimizer ({type(bound).__name__}; {engines}): stepping it would change nothing the engine "
+                    "trains. Pass the optimizer it was built on as optimizer=, or lr_scheduler as a callable "
+                    "optimizer -> scheduler")
             return client_scheduler
         if selected is not None:
             if self.optimizer is None:

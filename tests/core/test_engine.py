@@ -221,6 +221,44 @@ def test_client_scheduler_callable_and_lr_queries():
     assert engine.get_mom() == [0.9]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_scheduler_object_on_the_client_optimizer_drives_the_engine(stage):
+    """The usual pairing (an optimizer and a scheduler built on it, both passed): the engine steps
+    that scheduler and its learning rates reach the optimizer that trains, at any stage."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    engine, opt, _, sched = dsplug.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                              config={"train_batch_size": 4, "zero_optimization": {"stage": stage}})
+    assert sched is scheduler
+    x = torch.randn(4, 12)
+    for _ in range(2):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.025)] and engine.get_lr() == [pytest.approx(0.025)]
+
+
+@pytest.mark.parametrize("optimizer", ["config", "callable"])
+def test_a_scheduler_object_on_another_optimizer_is_refused(optimizer):
+    """A scheduler built on an optimizer the engine does not train with would step the learning rate
+    of an optimizer that never steps (DeepSpeed asserts; so the error is also an AssertionError)."""
+    from dsplug.engine import SchedulerBindingError
+
+    model = make_model()
+    elsewhere = torch.optim.Adam(model.parameters())
+    config = {"train_batch_size": 4}
+    if optimizer == "config":
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
+    with pytest.raises(SchedulerBindingError) as info:
+        dsplug.initialize(model=model, config=config, optimizer=sgd if optimizer == "callable" else None,
+                          lr_scheduler=torch.optim.lr_scheduler.LambdaLR(elsewhere, lambda epoch: 1.0))
+    assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
+    message = str(info.value)
+    assert "lr_scheduler (LambdaLR) was built on another optimizer (Adam;" in message
+    assert ("optimizer callable" if optimizer == "callable" else "config's 'optimizer' section") in message
+    assert "as a callable optimizer -> scheduler" in message
+
+
 def test_steps_per_print_and_wall_clock_breakdown_lines(capsys):
     engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config={
         "train_batch_size": 4, "steps_per_print": 2, "wall_clock_breakdown": True})
