@@ -159,8 +159,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         selected = self.config.optimizer
         context = self.context
         if client_optimizer is not None and selected is not None:
-            raise ValueError("dsplug.initialize: an optimizer was passed and the config has an 'optimizer' section; "
-                             "use one of them")
+            self._client_overrides("optimizer", selected)
+            selected = None
         if isinstance(client_optimizer, torch.optim.Optimizer):
             def rebind(groups):
                 if client_optimizer.state and self.precision.master_weights:
@@ -178,11 +178,20 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             return lambda groups: selected.build(groups, selected.params, context)
         return lambda groups: None
 
+    def _client_overrides(self, section: str, selected) -> None:
+        """An optimizer / lr_scheduler passed to initialize takes the place of the config's section,
+        as DeepSpeed documents; the section (still checked) is dropped from the engine's config, so
+        that no plugin builds from it, and the log says so."""
+        argument = "optimizer" if section == "optimizer" else "lr_scheduler"
+        log_rank0(f"warning: the config's '{section}' section ({selected.type!r}) is not used: initialize() was "
+                  f"given {argument}=, which takes its place (as in DeepSpeed)", logging.WARNING)
+        setattr(self.config, section, None)
+
     def _build_scheduler(self, client_scheduler, client_optimizer):
         selected = self.config.scheduler
         if client_scheduler is not None and selected is not None:
-            raise ValueError("dsplug.initialize: an lr_scheduler was passed and the config has a 'scheduler' section; "
-                             "use one of them")
+            self._client_overrides("scheduler", selected)
+            selected = None
         if client_scheduler is not None:
             if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
                 return client_scheduler(self.optimizer)

@@ -259,6 +259,39 @@ def test_a_scheduler_object_on_another_optimizer_is_refused(optimizer):
     assert "as a callable optimizer -> scheduler" in message
 
 
+def test_a_passed_optimizer_and_scheduler_take_the_place_of_the_config_sections(capsys):
+    """As DeepSpeed documents: initialize's optimizer / lr_scheduler override the config's sections
+    (which are still checked); the log says the section is not used."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    engine, opt, _, sched = dsplug.initialize(
+        model=model, optimizer=optimizer, config=config,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    assert opt is optimizer and isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    out = capsys.readouterr().out
+    assert "the config's 'optimizer' section ('Adam') is not used: initialize() was given optimizer=" in out
+    assert "the config's 'scheduler' section ('WarmupLR') is not used: initialize() was given lr_scheduler=" in out
+    x = torch.randn(4, 12)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(0.05)]
+    with pytest.raises(ConfigError, match="optimizer.params.lrr"):  # the section is still checked
+        dsplug.initialize(model=make_model(), optimizer=sgd,
+                          config={"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lrr": 1}}})
+
+
+def test_a_passed_optimizer_under_offload_is_the_one_that_trains():
+    """With optimizer offload, the host optimizer is built from the passed callable, not from the
+    overridden config section (which would have selected the native CPU Adam)."""
+    config = {"train_batch_size": 4, "zero_force_ds_cpu_optimizer": False,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine, opt, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config=config)
+    assert type(opt) is torch.optim.SGD
+
+
 def test_steps_per_print_and_wall_clock_breakdown_lines(capsys):
     engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config={
         "train_batch_size": 4, "steps_per_print": 2, "wall_clock_breakdown": True})
