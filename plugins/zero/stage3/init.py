@@ -8,7 +8,10 @@
 Inside the context every ``torch.nn.Module`` subclass's ``__init__`` is wrapped: when the
 outermost ``__init__`` of an object returns (so a subclass may still initialise the weights its
 parent created), the object's not-yet-partitioned parameters are made equal to rank 0's values
-(one broadcast per module and dtype) and partitioned. Peak memory is therefore the partitions
+(one broadcast per module and dtype) and partitioned. ``Module.apply`` is wrapped too: a parent
+whose ``__init__`` initialises its children's weights with ``self.apply(init_fn)`` (Hugging Face's
+``post_init`` does) has ``init_fn`` see each already-partitioned module's parameters whole, and rank
+0's result is what is kept, as in DeepSpeed. Peak memory is therefore the partitions
 built so far plus the full parameters of one module, which is what lets a model larger than one
 rank's memory be built. Usable as a decorator too. ``Init(module=m)`` partitions an existing
 module at once. ``enabled=False`` makes it a no-op.
@@ -80,11 +83,14 @@ class _Patcher:
             patcher._wrap(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        self.saved_apply = torch.nn.Module.__dict__["apply"]
+        torch.nn.Module.apply = _apply_gathered
 
     def _unpatch(self) -> None:
         for cls, original in self.originals.items():
             cls.__init__ = original
         self.originals.clear()
+        torch.nn.Module.apply = self.saved_apply
         if self.had_init_subclass:
             torch.nn.Module.__init_subclass__ = self.saved_init_subclass
         else:
@@ -111,6 +117,23 @@ class _Patcher:
 
         self.originals[cls] = original
         cls.__init__ = __init__
+
+
+def _apply_gathered(module: torch.nn.Module, fn):
+    """``Module.apply`` inside Init: ``fn`` on every submodule, children first (as torch's), with
+    the module's own partitioned parameters gathered around the call; rank 0's values are kept
+    (every rank calls it: model code runs alike on all ranks)."""
+    from .gathered import PartitionedGathered
+
+    for child in module.children():
+        _apply_gathered(child, fn)
+    own = [p for p in module.parameters(recurse=False) if is_partitioned(p)]
+    if not own:
+        fn(module)
+        return module
+    with PartitionedGathered(own, modifier_rank=0):
+        fn(module)
+    return module
 
 
 _patcher = _Patcher()

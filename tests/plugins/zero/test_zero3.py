@@ -462,6 +462,37 @@ def test_init_builds_partitioned_modules_equal_to_plain_ones_and_unpatches():
     assert existing.weight.ds_shape == (2, 2)
 
 
+def test_init_lets_a_parent_initialise_its_childrens_weights_with_apply():
+    """Hugging Face's post_init pattern: the parent's __init__ runs self.apply(init_fn) after its
+    children were built (and partitioned); init_fn sees them whole and its values are kept.
+    Module.apply is torch's own again after the context."""
+    plain_apply = torch.nn.Module.apply
+    order = []
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+            self.apply(self._init)
+
+        def _init(self, module):
+            order.append(type(module).__name__)
+            if isinstance(module, torch.nn.Linear):
+                assert module.weight.shape == (module.out_features, module.in_features)
+                with torch.no_grad():
+                    module.weight.fill_(0.25 * module.out_features)
+                    module.bias.fill_(-1.0)
+
+    with dsplug.zero.Init():
+        model = Parent()
+    assert torch.nn.Module.apply is plain_apply
+    assert order == ["Linear", "ReLU", "Linear", "Sequential", "Parent"]  # children first, as torch's
+    whole = gathered(model)
+    assert torch.equal(whole[0], torch.full((6, 4), 1.5)) and torch.equal(whole[1], torch.full((6,), -1.0))
+    assert torch.equal(whole[2], torch.full((2, 6), 0.5)) and torch.equal(whole[3], torch.full((2,), -1.0))
+    assert all(dsplug.zero.is_zero_param(p) and p.numel() == 0 for p in model.parameters())
+
+
 def test_gathered_parameters_without_modifier_rank_discards_changes():
     with dsplug.zero.Init():
         model = SeededMLP()

@@ -52,6 +52,24 @@ def _main_job(ckpt_dir: str, file16: str):
     out["init"] = train(build(config(WORLD), model=model), 3)
     out["no_init"] = train(build(config(WORLD)), 3)
 
+    # --- a parent initialising its children's weights with self.apply (rank 0's values are kept)
+    class ParentInitialises(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(12, 3)
+            self.apply(self._init)
+
+        def _init(self, module):
+            if isinstance(module, torch.nn.Linear):
+                with torch.no_grad():
+                    module.weight.fill_(1.0 + rank)
+                    module.bias.zero_()
+
+    with dsplug.zero.Init():
+        parent = ParentInitialises()
+    out["parent_apply"] = [p.ds_tensor.detach().clone() for p in parent.parameters()]
+    out["parent_apply_whole"] = gathered(parent)
+
     # --- bytes held by this rank after a step (threshold 0: nothing persistent)
     memory = {}
     for name, extra in {"fp32": {}, "bf16": {"precision": "bf16"}}.items():
@@ -135,6 +153,15 @@ def test_init_trains_exactly_like_without_init(main_run):
         assert rank_result["init"] == rank_result["no_init"]
         torch.testing.assert_close(torch.tensor(rank_result["no_init"]), torch.tensor(want["losses"]),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_init_keeps_rank_0s_values_from_a_parents_apply(main_run):
+    """DeepSpeed's TestZero3InitForParentWeightInitialization: each rank fills 1 + rank, the
+    partitions hold rank 0's 1.0 (18 of the weight's 36 elements at 2 ranks)."""
+    for result in main_run:
+        weight, bias = result["parent_apply"]
+        assert weight.numel() == 18 and torch.equal(weight, torch.ones(18)) and torch.equal(bias, torch.zeros(2))
+        assert torch.equal(result["parent_apply_whole"][0], torch.ones(3, 12))
 
 
 def test_bytes_held_per_rank_match_the_zero3_memory_formula(main_run):
