@@ -109,8 +109,10 @@ def main(argv=None) -> int:
         if m not in BYTES_PER_PARAM:
             ap.error(f"--moments: {m!r} is not one of {sorted(BYTES_PER_PARAM)}")
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    isa = DeepSpeedCPUAdam([make_param(8)]).op.isa
-    print(f"cpu_adam benchmark: {args.threads} thread(s), {args.rounds} interleaved rounds, kernel ISA {isa}, "
+    op = DeepSpeedCPUAdam([make_param(8)]).op
+    isa = op.isa
+    print(f"cpu_adam benchmark: {args.threads} thread(s) ({op.threads}), {args.rounds} interleaved rounds, "
+          f"kernel ISA {isa}, "
           f"torch {torch.__version__}, load average at start {os.getloadavg()[0]:.2f}")
     summary = []
     for n in sizes:

@@ -6,6 +6,8 @@ own builder, name and status; building any of them builds (and caches) all three
 """
 from __future__ import annotations
 
+import sys
+
 from .builder import OpBuilder
 
 
@@ -18,6 +20,11 @@ class _CPUOptimizerBuilder(OpBuilder):
     USES_SIMD = True
     BUILD_SECONDS = 15  # measured: 14.5 s of CPU over 4 sources, 2 cores
     KERNEL = ""  # class name in dsplug.ops.native.cpu_optim
+
+    def extra_ldflags(self):
+        # dlopen / dlsym (finding torch's OpenMP team, csrc/includes/dsplug_omp_team.h): in libc
+        # since glibc 2.34, in libdl before
+        return ["-ldl"] if sys.platform.startswith("linux") else []
 
     def make_module(self, native):
         from dsplug.ops.native import cpu_optim

@@ -46,6 +46,8 @@ PYBIND11_MODULE(DSPLUG_EXT_NAME, m) {
     m.doc() = "dsplug CPU optimizer ops: SIMD, multithreaded Adam/AdamW, Adagrad and Lion steps on raw buffers";
     using release = py::call_guard<py::gil_scoped_release>;
     m.def("simd_isa", [] { return std::string(dsplug::simd_isa()); }, "instruction set the kernels were built for");
+    m.def("omp_team_library", [] { return std::string(dsplug::omp_team_library()); },
+          "path of the OpenMP runtime whose thread team runs the kernels (torch's), or '' for the op's own threads");
     m.def("adam_step", &adam_step_py, release(), "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "out"_a, "n"_a,
           "param_dtype"_a, "state_dtype"_a, "out_dtype"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a,
           "step"_a, "bias_correction"_a, "adamw_mode"_a, "num_threads"_a);

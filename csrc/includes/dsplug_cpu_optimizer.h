@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dsplug_omp_team.h"
 #include "dsplug_simd.h"
 
 namespace dsplug {
@@ -32,8 +33,10 @@ struct OptimizerBuffers {
     int out_dtype = kBFloat16;
 };
 
-// Runs fn(begin, end) over [0, n) split into one contiguous chunk per thread. Small ranges run
-// on the calling thread: starting a thread costs more than updating a few thousand elements.
+// Runs fn(begin, end) over [0, n) split into one contiguous chunk per thread, on the OpenMP team
+// torch's kernels use when there is one (dsplug_omp_team.h says why), else on threads started
+// here. Small ranges run on the calling thread: starting a thread costs more than updating a few
+// thousand elements. fn must not throw.
 template <class Fn>
 void parallel_for(int64_t n, int num_threads, const Fn& fn) {
     constexpr int64_t kMinPerThread = int64_t(1) << 15;
@@ -43,8 +46,17 @@ void parallel_for(int64_t n, int num_threads, const Fn& fn) {
         fn(int64_t(0), n);
         return;
     }
-    int64_t chunk = (n + threads - 1) / threads;
-    chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+    auto chunk_of = [n](int64_t count) {
+        int64_t chunk = (n + count - 1) / count;
+        return (chunk + kAlign - 1) / kAlign * kAlign;
+    };
+    const bool on_team = run_on_omp_team(int(threads), [&](int index, int count) {
+        const int64_t chunk = chunk_of(count);  // the team may give fewer threads than asked
+        const int64_t begin = index * chunk;
+        if (begin < n) fn(begin, std::min(n, begin + chunk));
+    });
+    if (on_team) return;
+    const int64_t chunk = chunk_of(threads);
     std::vector<std::thread> workers;
     workers.reserve(size_t(threads));
     for (int64_t t = 1; t < threads; ++t) {

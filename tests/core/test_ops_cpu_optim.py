@@ -483,3 +483,58 @@ def test_adam_still_refuses_sparse_gradients(native):
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="does not support sparse gradients"):
         opt.step()
+
+
+# --------------------------------------------------------------------------- whose threads run it
+TEAM_N = 200_003  # several chunks of 2**15: the kernels run in parallel
+
+
+def _team_buffers():
+    gen = torch.Generator().manual_seed(11)
+    base, grad = torch.randn(TEAM_N, generator=gen), torch.randn(TEAM_N, generator=gen)
+    return base, grad, torch.zeros(TEAM_N), torch.zeros(TEAM_N)
+
+
+def _adam_steps(kernel, p, grad, m, v, threads):
+    """Two steps in place; the bytes of the result, read without a torch op (a forked child must
+    not run torch's parallel ops: they hang there)."""
+    for step in (1, 2):
+        kernel.adam_update(p, grad, m, v, step=step, lr=1e-2, weight_decay=0.1, num_threads=threads)
+    return b"".join(t.numpy().tobytes() for t in (p, m, v))
+
+
+def _in_forked_child(conn, buffers, threads):
+    kernel = CPUAdamBuilder().load(fallback=False)
+    conn.send((kernel.threads, _adam_steps(kernel, *buffers, threads)))
+    conn.close()
+
+
+def test_kernels_run_on_torchs_openmp_team_and_on_own_threads_after_fork(native):
+    """The kernels borrow torch's OpenMP thread team when torch has one (csrc/includes/
+    dsplug_omp_team.h); a child forked after that team ran uses the op's own threads instead,
+    where torch's own parallel ops would hang, and computes the same bytes."""
+    import multiprocessing
+
+    from tests.conftest import scaled
+
+    adam = native["adam"]
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch here is not built with OpenMP")
+    assert adam.threads.startswith("openmp team (") and "omp" in adam.threads
+    mine = _team_buffers()
+    theirs = tuple(t.clone() for t in mine)  # parallel torch ops: the team exists before the fork
+    on_team = _adam_steps(adam, *mine, 2)
+    fork = multiprocessing.get_context("fork")
+    reader, writer = fork.Pipe(duplex=False)
+    child = fork.Process(target=_in_forked_child, args=(writer, theirs, 2))
+    child.start()
+    writer.close()
+    try:
+        assert reader.poll(scaled(60)), "the kernel did not finish in a forked child"
+        threads, forked = reader.recv()
+    finally:
+        child.join(scaled(10))
+        if child.is_alive():
+            child.kill()
+    assert threads == "own threads"
+    assert forked == on_team

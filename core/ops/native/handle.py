@@ -22,6 +22,15 @@ class NativeOpHandle:
         return self.native.simd_isa() if self.native is not None else "torch"
 
     @property
+    def threads(self) -> str:
+        """Whose threads run the kernel: ``"openmp team (<runtime>)"`` (torch's, see
+        csrc/includes/dsplug_omp_team.h), ``"own threads"``, or ``"torch"`` (the fallback)."""
+        if self.native is None:
+            return "torch"
+        library = getattr(self.native, "omp_team_library", lambda: "")()
+        return f"openmp team ({library.rsplit('/', 1)[-1]})" if library else "own threads"
+
+    @property
     def backend(self) -> str:
         return f"native ({self.isa})" if self.native is not None else "torch fallback"
 
