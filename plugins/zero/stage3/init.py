@@ -195,8 +195,11 @@ class Init(contextlib.ContextDecorator):
             self.partition_module(module)
 
     def partition_module(self, module: torch.nn.Module) -> None:
-        """Partition every parameter of ``module`` (and its children) that is still whole."""
-        params = [p for p in module.parameters() if not is_partitioned(p)]
+        """Partition every parameter of ``module`` (and its children) that is still whole. A
+        parameter on the ``meta`` device has no values yet (``torch.nn.utils.skip_init`` builds on
+        meta, then ``to_empty`` gives it memory after ``__init__``): it waits for the enclosing
+        module's partitioning."""
+        params = [p for p in module.parameters() if not is_partitioned(p) and p.device.type != "meta"]
         if params:
             self.partitioner.partition(params, broadcast_from=0, dtype=self.dtype)
 

@@ -493,6 +493,24 @@ def test_init_lets_a_parent_initialise_its_childrens_weights_with_apply():
     assert all(dsplug.zero.is_zero_param(p) and p.numel() == 0 for p in model.parameters())
 
 
+def test_init_partitions_skip_init_modules_with_their_parent():
+    """torch.nn.utils.skip_init builds on the meta device and gives memory after __init__: such a
+    module is partitioned with the module around it (DeepSpeed's TestParamPartitioningSkipInit)."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.skipped = torch.nn.utils.skip_init(torch.nn.Linear, 4, 3)
+            self.plain = torch.nn.Linear(3, 2)
+
+    with dsplug.zero.Init():
+        model = Model()
+    assert all(dsplug.zero.is_zero_param(p) and p.numel() == 0 for p in model.parameters())
+    assert model.skipped.weight.ds_shape == (3, 4) and model.skipped.weight.ds_tensor.device.type == "cpu"
+    with GatheredParameters(list(model.parameters()), modifier_rank=0), torch.no_grad():
+        model.skipped.weight.fill_(0.5)
+    assert torch.equal(gathered(model)[0], torch.full((3, 4), 0.5))
+
+
 def test_gathered_parameters_without_modifier_rank_discards_changes():
     with dsplug.zero.Init():
         model = SeededMLP()
