@@ -108,13 +108,24 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             self.dump_state()
 
     def __getattr__(self, name: str):
+        """Parameters, buffers and submodules (torch's), then the methods plugins add to the engine,
+        then -- as DeepSpeed's engine does -- the wrapped model's own attributes (``engine.id``,
+        ``engine.generate`` of a model that has them)."""
         try:
-            return super().__getattr__(name)  # parameters, buffers, submodules
+            return super().__getattr__(name)
         except AttributeError:
             methods = self.__dict__.get("_plugin_methods") or {}
             if name in methods:
                 return methods[name]
-            raise
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its "
+                                 f"model, {type(module).__name__ if module is not None else 'not set yet'})") \
+                from None
 
     # ------------------------------------------------------------------ extension points for subclasses
     # An engine subclass (the class a ``dsplug_engine_factory`` hook returns, see

@@ -292,6 +292,20 @@ def test_a_passed_optimizer_under_offload_is_the_one_that_trains():
     assert type(opt) is torch.optim.SGD
 
 
+def test_the_models_own_attributes_pass_through_the_engine():
+    """As DeepSpeed's engine: an attribute the engine does not have is the model's (its
+    TestZero3ClientModuleID reads ``engine.id``); the engine's own names win."""
+    model = make_model()
+    model.id = 3
+    model.config = "the model's"
+    model.describe = lambda: "a method of the model"
+    engine = dsplug.initialize(model=model, optimizer=sgd, config={"train_batch_size": 4})[0]
+    assert engine.id == 3 and engine.describe() == "a method of the model"
+    assert engine.config is not model.config and engine.module.config == "the model's"
+    with pytest.raises(AttributeError, match="'Engine' object has no attribute 'no_such' \\(nor has its model"):
+        engine.no_such
+
+
 def test_steps_per_print_and_wall_clock_breakdown_lines(capsys):
     engine, _, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config={
         "train_batch_size": 4, "steps_per_print": 2, "wall_clock_breakdown": True})

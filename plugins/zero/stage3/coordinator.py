@@ -119,6 +119,8 @@ class ParamCoordinator:
         self._hooks = []
         #: the saved-tensor hooks entered for the root's forward (None outside it)
         self._saving = None
+        #: persistent parameters to gather again when the next forward starts (see refetch_at_next_forward)
+        self._refetch: List[torch.nn.Parameter] = []
 
     # ------------------------------------------------------------------ installation
     def install(self) -> None:
@@ -142,9 +144,17 @@ class ParamCoordinator:
         return params
 
     # ------------------------------------------------------------------ hooks
+    def refetch_at_next_forward(self, params: List[torch.nn.Parameter]) -> None:
+        """Persistent parameters released between passes (``empty_partition_cache``): gathered
+        again, whole, when the root module's next forward starts."""
+        self._refetch.extend(params)
+
     def _pre_forward(self, module, inputs):
         if module is self.root and not self.in_backward:
             self.end_pass()  # a new pass starts; drops what a forward without backward left behind
+            if self._refetch:
+                params, self._refetch = self._refetch, []
+                self.partitioner.fetch([p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE])
             if torch.is_grad_enabled() and self._saving is None:
                 self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 self._saving.__enter__()

@@ -387,6 +387,17 @@ class ParamPartitioner:
         """Release every gathered non-persistent parameter that no context holds."""
         self.release(list(self.live.values()))
 
+    def release_persistent(self, params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+        """Drop the full values of persistent parameters too (no context holding them); returns
+        those dropped, which stay persistent and must be fetched again before they are used."""
+        dropped = []
+        for p in params:
+            if p.ds_persist and p._ds_holds == 0 and p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+                self.wait(p)
+                self._drop_full(p)
+                dropped.append(p)
+        return dropped
+
     def _add_live(self, p) -> None:
         if p.ds_id not in self.live:
             self.live[p.ds_id] = p

@@ -654,9 +654,11 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                 grp.master_from_partitions()
 
     def release_gathered(self) -> None:
-        """Drop every gathered non-persistent parameter that no context holds (the coordinator's
-        trace is kept: the next pass prefetches as before)."""
+        """Drop every gathered parameter that no context holds, the persistent ones included (as
+        DeepSpeed's ``empty_partition_cache``): those are gathered again when the next forward
+        starts. The coordinator's trace is kept: the next pass prefetches as before."""
         self.partitioner.release_all()
+        self.coordinator.refetch_at_next_forward(self.partitioner.release_persistent(self.persistent))
 
     def close(self) -> None:
         """Remove hooks and release the store (an offload plugin deletes its swap files here)."""

@@ -173,6 +173,28 @@ def test_empty_partition_cache_frees_what_a_forward_left_gathered_and_training_g
         assert torch.equal(a, b)
 
 
+def test_empty_partition_cache_releases_persistent_parameters_until_the_next_forward():
+    """As DeepSpeed's: after the call no parameter holds its full value, the persistent ones
+    included (its TestZeroPartitionCache); the next forward gathers those again, once, and
+    training goes on exactly as without the call."""
+    knobs = dict(stage3_param_persistence_threshold=10 ** 6, stage3_prefetch_bucket_size=0)
+    kept, emptied = build(config(**knobs)), build(config(**knobs))
+    train(kept, 1)
+    train(emptied, 1)
+    emptied.empty_partition_cache()
+    assert all(p.ds_persist and p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0
+               for p in emptied.module.parameters())
+    with Collectives() as fb:
+        emptied.backward(forward_backward(emptied))
+    assert fb.count("all_gather") == 1
+    emptied.step()
+    kept.backward(forward_backward(kept))
+    kept.step()
+    assert train(emptied, 2, start=2) == train(kept, 2, start=2)
+    for a, b in zip(gathered(emptied.module), gathered(kept.module)):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- knobs
 def test_persistence_threshold_keeps_small_parameters_whole_and_never_gathers_them():
     engine = build(config(stage3_param_persistence_threshold=10 ** 6, stage3_prefetch_bucket_size=0))
