@@ -17,13 +17,14 @@ from typing import Any, Dict, List, Optional
 import pluggy
 import torch
 
-from . import comm, events, lazy_dynamo
+from . import comm, engine_clients as clients, events, lazy_dynamo
 from .accelerator import get_accelerator
 from .config import DsplugConfig
 from .config.auto import model_hidden_size
 from .context import BuildContext
 from .contracts.zero_stage import attach_stage, detach_stage, stage_of
 from .engine_api import DeepSpeedAccessors
+from .engine_clients import SchedulerBindingError  # noqa: F401 - dsplug.engine.SchedulerBindingError
 from .engine_checkpoint import EngineCounters, SchedulerState, load_checkpoint, save_checkpoint
 from .logging import log_rank0, step_logger
 from .registry import get_registry
@@ -33,18 +34,9 @@ from .comm import groups
 lazy_dynamo.install()  # a run's first optimizer no longer imports torch._dynamo (2 s)
 
 #: param-group key linking the engine's groups back to a client optimizer's own groups
-CLIENT_GROUP_INDEX = "_dsplug_client_group"
-
-
 class ModelRequiredError(ValueError, AssertionError):
     """``initialize`` without a model. Also an ``AssertionError``: DeepSpeed asserts the model is
     given, and code written against it catches that."""
-
-
-class SchedulerBindingError(ValueError, AssertionError):
-    """An ``lr_scheduler`` object built on an optimizer that is not the engine's: stepping it would
-    change the learning rate of an optimizer that never steps. Also an ``AssertionError``: DeepSpeed
-    asserts this, and code written against it catches that."""
 
 
 class Engine(DeepSpeedAccessors, torch.nn.Module):
@@ -89,9 +81,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.context.model = self.module = model
         self._place_model()
         self.before_zero_stage(model)
-        self.stage = self._build_stage(model, _param_groups(model, model_parameters, optimizer), optimizer)
+        self.stage = self._build_stage(model, clients.param_groups(model, model_parameters, optimizer), optimizer)
         self.optimizer = self.stage.optimizer
-        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
+        self.lr_scheduler = clients.build_scheduler(self, lr_scheduler, optimizer)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
         self.counters = EngineCounters()
@@ -118,14 +110,14 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             if name in methods:
                 return methods[name]
             module = self.__dict__.get("_modules", {}).get("module")
-            if module is not None:
-                try:
-                    return getattr(module, name)
-                except AttributeError:
-                    pass
+            if module is None:
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                model = type(module).__name__
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its "
-                                 f"model, {type(module).__name__ if module is not None else 'not set yet'})") \
-                from None
+                                 f"model, {model})") from None
 
     # ------------------------------------------------------------------ extension points for subclasses
     # An engine subclass (the class a ``dsplug_engine_factory`` hook returns, see
@@ -161,68 +153,10 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             log_rank0("warning: this model was already wrapped by a dsplug engine; that engine's hooks are "
                       "removed and it must not be used any more", logging.WARNING)
             previous.close()
-        stage = self._build_selected("zero_stage", model, param_groups, self._optimizer_builder(client_optimizer),
-                                     self.precision)
+        stage = self._build_selected("zero_stage", model, param_groups,
+                                     clients.optimizer_builder(self, client_optimizer), self.precision)
         attach_stage(model, stage)
         return stage
-
-    def _optimizer_builder(self, client_optimizer):
-        selected = self.config.optimizer
-        context = self.context
-        if client_optimizer is not None and selected is not None:
-            self._client_overrides("optimizer", selected)
-            selected = None
-        if isinstance(client_optimizer, torch.optim.Optimizer):
-            def rebind(groups):
-                if client_optimizer.state and self.precision.master_weights:
-                    raise ValueError("the client optimizer already has state; with master weights (16-bit "
-                                     "training) pass a fresh optimizer (or a callable that builds one)")
-                for own in client_optimizer.param_groups:
-                    own["params"] = []  # a group with only frozen parameters stays empty
-                for new in groups:
-                    client_optimizer.param_groups[new[CLIENT_GROUP_INDEX]]["params"] = list(new["params"])
-                return client_optimizer
-            return rebind
-        if callable(client_optimizer):
-            return lambda groups: client_optimizer(groups)
-        if selected is not None:
-            return lambda groups: selected.build(groups, selected.params, context)
-        return lambda groups: None
-
-    def _client_overrides(self, section: str, selected) -> None:
-        """An optimizer / lr_scheduler passed to initialize takes the place of the config's section,
-        as DeepSpeed documents; the section (still checked) is dropped from the engine's config, so
-        that no plugin builds from it, and the log says so."""
-        argument = "optimizer" if section == "optimizer" else "lr_scheduler"
-        log_rank0(f"warning: the config's '{section}' section ({selected.type!r}) is not used: initialize() was "
-                  f"given {argument}=, which takes its place (as in DeepSpeed)", logging.WARNING)
-        setattr(self.config, section, None)
-
-    def _build_scheduler(self, client_scheduler, client_optimizer):
-        selected = self.config.scheduler
-        if client_scheduler is not None and selected is not None:
-            self._client_overrides("scheduler", selected)
-            selected = None
-        if client_scheduler is not None:
-            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
-                return client_scheduler(self.optimizer)
-            bound = getattr(client_scheduler, "optimizer", None)
-            if isinstance(bound, torch.optim.Optimizer) and bound is not self.optimizer \
-                    and bound is not client_optimizer:
-                engines = ("the engine has no optimizer" if self.optimizer is None else
-                           "the engine's is built by the optimizer callable" if callable(client_optimizer) else
-                           "the engine's is built from the config's 'optimizer' section")
-                raise SchedulerBindingError(
-                    f"dsplug.initialize: lr_scheduler ({type(client_scheduler).__name__}) was built on another "
-                    f"optimizer ({type(bound).__name__}; {engines}): stepping it would change nothing the engine "
-                    "trains. Pass the optimizer it was built on as optimizer=, or lr_scheduler as a callable "
-                    "optimizer -> scheduler")
-            return client_scheduler
-        if selected is not None:
-            if self.optimizer is None:
-                raise ValueError("the config has a 'scheduler' section but no optimizer was given")
-            return selected.build(self.optimizer, selected.params, self.context)
-        return None
 
     def _build_event_bus(self) -> pluggy.PluginManager:
         """The engine's own plugin manager for lifecycle hooks: enabled observers and monitors,
@@ -398,18 +332,3 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         detach_stage(self.module, self.stage)
         if self.mpu is not None and groups.get_mpu() is self.mpu:
             groups.set_mpu(None)  # the process-wide data-parallel answers return to the world
-
-
-def _param_groups(model, model_parameters, client_optimizer) -> List[dict]:
-    if isinstance(client_optimizer, torch.optim.Optimizer):
-        # remember each group's place: groups left without trainable parameters are dropped below
-        groups = [{**g, CLIENT_GROUP_INDEX: i} for i, g in enumerate(client_optimizer.param_groups)]
-    else:
-        source = list(model_parameters) if model_parameters is not None else list(model.parameters())
-        if source and isinstance(source[0], dict):
-            groups = [dict(g) for g in source]
-        else:
-            groups = [{"params": source}]
-    for g in groups:
-        g["params"] = [p for p in g["params"] if p.requires_grad]
-    return [g for g in groups if g["params"]]
