@@ -82,8 +82,8 @@ class DeepSpeedCPUOptimizer(torch.optim.Optimizer):
             return torch.float32
         return param.dtype
 
-    def _init_state(self, param: torch.Tensor, group: dict) -> dict:
-        state = self.state[param]
+    def _init_state(self, param: torch.Tensor, group: dict, key=None) -> dict:
+        state = self.state[param if key is None else key]
         state["step"] = 0
         for key in self.STATE_KEYS:
             state[key] = torch.zeros(param.shape, dtype=self.state_dtype(param), device="cpu")

@@ -538,3 +538,50 @@ def test_kernels_run_on_torchs_openmp_team_and_on_own_threads_after_fork(native)
             child.kill()
     assert threads == "own threads"
     assert forked == on_team
+
+
+# --------------------------------------------------------------------------- ZeRO-3 sub-groups
+@pytest.mark.parametrize("adamw", [True, False])
+def test_step_subgroup_equals_step_and_rollback_undoes_it(native, adamw):
+    """DeepSpeed's step_subgroup / rollback_subgroup: a sub-group's flat partition steps with its
+    state under the sub-group id (the same bytes as step() keeping it under the parameter), and a
+    rollback recomputes the parameter and moments before that step from the same gradient."""
+    from dsplug.ops.adam import DeepSpeedCPUAdam
+
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen) for _ in range(3)]
+    hyper = dict(lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+    by_param, by_group = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
+    plain, grouped = DeepSpeedCPUAdam([by_param], **hyper), DeepSpeedCPUAdam([by_group], **hyper)
+    history = []
+    for g in grads:
+        by_param.grad, by_group.grad = g.clone(), g.clone()
+        state = grouped.state.get(7)
+        history.append((by_group.detach().clone(), *(state[k].clone() for k in ("exp_avg", "exp_avg_sq"))) if state
+                       else (by_group.detach().clone(), torch.zeros(1000), torch.zeros(1000)))
+        plain.step()
+        grouped.step_subgroup(7)
+        assert torch.equal(by_group, by_param) and grouped.state[7]["step"] == plain.state[by_param]["step"]
+        assert torch.equal(grouped.state[7]["exp_avg_sq"], plain.state[by_param]["exp_avg_sq"])
+    assert list(grouped.state) == [7]
+    for k in reversed(range(len(grads))):  # each rollback needs the gradient of the step it undoes
+        by_group.grad = grads[k].clone()
+        grouped.rollback_subgroup(7)
+        want_p, want_m, want_v = history[k]
+        assert grouped.state[7]["step"] == k
+        if k == len(grads) - 1:  # undoing the last step: exact up to fp32 rounding
+            assert_rel(by_group.detach(), want_p, rtol=1e-6, what="param before the last step")
+            assert_rel(grouped.state[7]["exp_avg"], want_m, rtol=1e-5, what="exp_avg before the last step")
+            assert_rel(grouped.state[7]["exp_avg_sq"], want_v, rtol=1e-5, what="exp_avg_sq before the last step")
+        else:  # further back, exp_avg_sq of near-zero gradients is recovered by cancellation: within lr
+            torch.testing.assert_close(by_group.detach(), want_p, rtol=0, atol=hyper["lr"])
+    with pytest.raises(RuntimeError, match="Cannot rollback sub_group_id 7: step count is 0"):
+        grouped.rollback_subgroup(7)
+    with pytest.raises(RuntimeError, match="Cannot rollback optimizer state for sub_group_id 8"):
+        grouped.rollback_subgroup(8)
+    two = DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))])
+    for p in two.param_groups[0]["params"]:
+        p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="exactly one parameter with a gradient .* they hold 2"):
+        two.step_subgroup(0)
