@@ -325,7 +325,16 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
     def _partitions_from_master(self) -> None:
         """After the update (the store wrote the model-dtype partitions): whole parameters are gathered again."""
         self.coordinator.end_pass()
+        self._gather_whole_again()
+
+    def _gather_whole_again(self) -> None:
+        """After the partitions changed (a step, a load): what was whole is gathered again, and so
+        are the persistent parameters ``empty_partition_cache`` released (as DeepSpeed re-gathers
+        its persistent parameters after each step and load)."""
         self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
+        released = [p for p in self.persistent if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        if released:
+            self.partitioner.fetch(released)
 
     def _master_from_partitions(self, params) -> None:
         """Partitions were rewritten from full values (GatheredParameters with a modifier_rank)."""
@@ -429,7 +438,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             if load_optimizer_states and self.optimizer is not None:
                 self.store.state_loaded()
         self.partitioner.partitions_changed()
-        self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
+        self._gather_whole_again()
 
     def _own_pieces(self, grp: _Group, saved: dict):
         """(fp32 flat, [state of each view], hyper) from this rank's own saved group (same slicing)."""

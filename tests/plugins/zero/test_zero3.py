@@ -195,6 +195,24 @@ def test_empty_partition_cache_releases_persistent_parameters_until_the_next_for
         assert torch.equal(a, b)
 
 
+def test_persistent_parameters_released_by_empty_partition_cache_are_whole_after_a_step_or_a_load(tmp_path):
+    """DeepSpeed's checkpoint tests empty the cache, save, build a second engine, empty its cache,
+    load, and read the persistent parameters directly: a step or a load gathers them again."""
+    knobs = dict(stage3_param_persistence_threshold=10 ** 6)
+    trained = build(config(**knobs))
+    trained.empty_partition_cache()
+    train(trained, 2)  # the forward gathers them, the step keeps them whole
+    assert all(p.ds_status is ZeroParamStatus.AVAILABLE for p in trained.module.parameters())
+    trained.empty_partition_cache()
+    trained.save_checkpoint(str(tmp_path), tag="t")
+    loaded = build(config(**knobs))
+    loaded.empty_partition_cache()
+    loaded.load_checkpoint(str(tmp_path), tag="t")
+    assert all(p.ds_persist and p.ds_status is ZeroParamStatus.AVAILABLE for p in loaded.module.parameters())
+    for a, b in zip(loaded.module.parameters(), gathered(trained.module)):
+        assert torch.equal(a.detach().float(), b)
+
+
 # --------------------------------------------------------------------------- knobs
 def test_persistence_threshold_keeps_small_parameters_whole_and_never_gathers_them():
     engine = build(config(stage3_param_persistence_threshold=10 ** 6, stage3_prefetch_bucket_size=0))
