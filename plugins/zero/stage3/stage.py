@@ -543,7 +543,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         return {k: full[v.ds_id] if is_partitioned(v) else v.detach() for k, v in entries.items()}
 
     def load_module_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Load a full module state dict: every rank keeps its slice (no communication)."""
+        """Load a full module state dict: every rank keeps its slice (no communication, unless
+        ``empty_partition_cache`` released persistent parameters: those are gathered again)."""
         entries = self.module.state_dict(keep_vars=True)
         missing = [k for k in entries if k not in state]
         unexpected = [k for k in state if k not in entries]
@@ -573,6 +574,9 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                 if where is not None:
                     self.groups[where[0]].set_master_piece(where[1], piece)
         self.partitioner.partitions_changed()
+        released = [p for p in self.persistent if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        if released:  # by empty_partition_cache, on every rank: whole again, as after a full load
+            self.partitioner.fetch(released)
         if others:
             self.module.load_state_dict(others, strict=False)
 

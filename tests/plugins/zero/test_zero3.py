@@ -211,6 +211,11 @@ def test_persistent_parameters_released_by_empty_partition_cache_are_whole_after
     assert all(p.ds_persist and p.ds_status is ZeroParamStatus.AVAILABLE for p in loaded.module.parameters())
     for a, b in zip(loaded.module.parameters(), gathered(trained.module)):
         assert torch.equal(a.detach().float(), b)
+    module_only = build(config(**knobs))
+    module_only.empty_partition_cache()
+    module_only.load_checkpoint(str(tmp_path), tag="t", load_module_only=True)
+    for a, b in zip(module_only.module.parameters(), gathered(trained.module)):
+        assert a.ds_status is ZeroParamStatus.AVAILABLE and torch.equal(a.detach().float(), b)
 
 
 # --------------------------------------------------------------------------- knobs
