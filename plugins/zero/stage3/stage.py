@@ -332,6 +332,10 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         are the persistent parameters ``empty_partition_cache`` released (as DeepSpeed re-gathers
         its persistent parameters after each step and load)."""
         self.partitioner.refresh([p for p in self.all_params if p.ds_status is ZeroParamStatus.AVAILABLE])
+        self._gather_released_persistent()
+
+    def _gather_released_persistent(self) -> None:
+        """Persistent parameters ``empty_partition_cache`` released (on every rank) are whole again."""
         released = [p for p in self.persistent if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
         if released:
             self.partitioner.fetch(released)
@@ -574,9 +578,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
                 if where is not None:
                     self.groups[where[0]].set_master_piece(where[1], piece)
         self.partitioner.partitions_changed()
-        released = [p for p in self.persistent if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
-        if released:  # by empty_partition_cache, on every rank: whole again, as after a full load
-            self.partitioner.fetch(released)
+        self._gather_released_persistent()  # as after a full load
         if others:
             self.module.load_state_dict(others, strict=False)
 
