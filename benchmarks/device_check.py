@@ -192,8 +192,8 @@ def train_engine(label: str, precision: str, zero: Dict[str, Any], model=None, f
     engine, *_ = dsplug.initialize(model=model, config=config)
     facts = {"backend": dist.get_backend() if dist.is_initialized() else "none",
              "device": str(engine.device), "accelerator": engine.accelerator.name,
-             "optimizer": type(engine.optimizer).__name__,
-             "op_backend": getattr(getattr(engine.optimizer, "op", None), "backend", None)}
+             "optimizer": type(engine.basic_optimizer).__name__,
+             "op_backend": getattr(getattr(engine.basic_optimizer, "op", None), "backend", None)}
     losses, times, scales = [], [], []
     step = 0
     # S["steps"] applied steps: fp16 steps skipped for an overflow are made up (at most MAKE_UP of them)

@@ -82,7 +82,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self._place_model()
         self.before_zero_stage(model)
         self.stage = self._build_stage(model, clients.param_groups(model, model_parameters, optimizer), optimizer)
-        self.optimizer = self.stage.optimizer
+        self.basic_optimizer = self.stage.optimizer  # DeepSpeed's name for the optimizer under its wrapper
+        self.optimizer = self._optimizer_as_deepspeed_returns()
         self.lr_scheduler = clients.build_scheduler(self, lr_scheduler, optimizer)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None

@@ -12,6 +12,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from .contracts.zero_stage import traits_of
+from .optimizer_view import WrappedOptimizer, wraps_optimizer
 
 
 class DeepSpeedAccessors:
@@ -26,6 +27,28 @@ class DeepSpeedAccessors:
         return self.config.gradient_accumulation_steps
 
     # ------------------------------------------------------------------ optimizer
+    def _optimizer_as_deepspeed_returns(self):
+        """``engine.optimizer``: the base optimizer (``self.basic_optimizer``), or where DeepSpeed
+        would wrap it (ZeRO stages 1-3, fp16 / bf16) a :class:`~dsplug.optimizer_view.WrappedOptimizer`
+        whose ``.optimizer`` is the base."""
+        base = self.basic_optimizer
+        if base is None or not wraps_optimizer(self.zero_optimization_stage(), self.precision.name):
+            return base
+        return WrappedOptimizer(base, self.precision, getattr(self.stage, "wrapper_internals", None))
+
+    def allreduce_gradients(self, bucket_size=None) -> None:
+        """DeepSpeed's explicit gradient reduction, which its ``backward()`` calls at an accumulation
+        boundary. dsplug's stages reduce inside ``backward()``: at every micro-step where they
+        partition gradients (stages 2-3), at the boundary otherwise; so where DeepSpeed would
+        reduce, the gradients already are, and this returns. Reducing a stage 0-1 window's local
+        gradients before its boundary is not built and raises."""
+        if traits_of(self.stage).partitions_gradients or self.is_gradient_accumulation_boundary():
+            return
+        raise RuntimeError(
+            f"engine.allreduce_gradients(): micro-step {self.micro_steps} is inside an accumulation window, "
+            f"and ZeRO stage {self.zero_optimization_stage()} reduces gradients at the window's boundary "
+            "(the backward() of its last micro-step); reducing them earlier is not built in dsplug")
+
     def get_lr(self) -> List[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 

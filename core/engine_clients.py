@@ -79,19 +79,20 @@ def _client_overrides(config, section: str, selected) -> None:
 
 
 def build_scheduler(engine, client_scheduler, client_optimizer):
-    """The LR scheduler over ``engine.optimizer``: a client object (which must drive that
-    optimizer), a client callable, the config's ``scheduler`` section, or None."""
+    """The LR scheduler over ``engine.basic_optimizer`` (the optimizer under DeepSpeed's wrapper, as
+    DeepSpeed builds it: a torch scheduler needs a ``torch.optim.Optimizer``): a client object
+    (which must drive that optimizer), a client callable, the config's ``scheduler`` section, or None."""
     selected = engine.config.scheduler
     if client_scheduler is not None and selected is not None:
         _client_overrides(engine.config, "scheduler", selected)
         selected = None
     if client_scheduler is not None:
         if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
-            return client_scheduler(engine.optimizer)
+            return client_scheduler(engine.basic_optimizer)
         bound = getattr(client_scheduler, "optimizer", None)
-        if isinstance(bound, torch.optim.Optimizer) and bound is not engine.optimizer \
+        if isinstance(bound, torch.optim.Optimizer) and bound is not engine.basic_optimizer \
                 and bound is not client_optimizer:
-            engines = ("the engine has no optimizer" if engine.optimizer is None else
+            engines = ("the engine has no optimizer" if engine.basic_optimizer is None else
                        "the engine's is built by the optimizer callable" if callable(client_optimizer) else
                        "the engine's is built from the config's 'optimizer' section")
             raise SchedulerBindingError(
@@ -101,7 +102,7 @@ def build_scheduler(engine, client_scheduler, client_optimizer):
                 "optimizer -> scheduler")
         return client_scheduler
     if selected is not None:
-        if engine.optimizer is None:
+        if engine.basic_optimizer is None:
             raise ValueError("the config has a 'scheduler' section but no optimizer was given")
-        return selected.build(engine.optimizer, selected.params, engine.context)
+        return selected.build(engine.basic_optimizer, selected.params, engine.context)
     return None

@@ -43,10 +43,11 @@ FEATURES: Dict[str, str] = {
     "env_report": "deepspeed.env_report is not available: run 'dsplug report'",
     "wrapper_optimizers": "DeepSpeed wraps the client optimizer in a mixed-precision or ZeRO optimizer (FP16_Optimizer, "
                           "FP16_UnfusedOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer, "
-                          "DeepSpeedZeroOptimizer_Stage3) and engine.optimizer is that wrapper; in dsplug "
-                          "engine.optimizer is the client optimizer itself, and mixed precision and ZeRO "
-                          "partitioning are the engine's precision and ZeRO-stage plugins (engine.precision, "
-                          "engine.stage), so no engine.optimizer is an instance of this class",
+                          "DeepSpeedZeroOptimizer_Stage3) and engine.optimizer is that wrapper; in dsplug mixed precision "
+                          "and ZeRO partitioning are the engine's precision and ZeRO-stage plugins "
+                          "(engine.precision, engine.stage), and engine.optimizer has the wrapper's shape "
+                          "without being one (dsplug.optimizer_view.WrappedOptimizer: .optimizer is the base "
+                          "optimizer, .overflow, .loss_scale), so no engine.optimizer is an instance of this class",
     "sparse_matmul": "DeepSpeed's Triton block-sparse MatMul / Softmax classes (deepspeed.ops.sparse_attention.matmul, "
                      ".softmax) are not provided: use SparseSelfAttention, which runs dsplug's native block-sparse "
                      "kernels (docs/sparse-attention.md)",

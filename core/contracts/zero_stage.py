@@ -124,9 +124,13 @@ class ZeroStage(abc.ABC):
 
     Attributes the engine reads: ``traits`` (a :class:`ZeroStageTraits`, class attribute: what it
     partitions and offloads; ``engine.zero_optimization_stage()`` answers from it), ``stage``
-    (its name or number, for messages), ``module``, ``optimizer`` (what ``engine.optimizer``
-    returns; schedulers set ``lr`` on its groups), ``last_grad_norm`` (global norm before clipping
-    of the last step, or None when nothing needed it).
+    (its name or number, for messages), ``module``, ``optimizer`` (``engine.basic_optimizer``,
+    the ``.optimizer`` of what ``engine.optimizer`` returns where DeepSpeed wraps it; schedulers set
+    ``lr`` on its groups), ``last_grad_norm`` (global norm before clipping
+    of the last step, or None when nothing needed it), and optionally ``wrapper_internals`` (an
+    object whose attributes answer DeepSpeed's wrapper-optimizer internals read through
+    ``engine.optimizer``, such as stage 3's ``get_fp32_grad_partitions()``; see
+    :mod:`dsplug.optimizer_view`).
 
     Clipping uses ``context.config.kernel.gradient_clipping`` (coefficient ``clip/(norm+1e-6)``
     when ``norm > clip``) after ``precision.unscale_``; overflow is ``not isfinite(norm)`` when

@@ -47,12 +47,19 @@ class Bucket:
             state["step"] = step
 
 
+#: keys torch's ``Optimizer.__setstate__`` adds to ``defaults`` for its own optimizers' step
+#: decorators; not hyperparameters of these optimizers, so not copied into their groups
+_TORCH_BOOKKEEPING = frozenset({"differentiable"})
+
+
 def fill_group_defaults(optimizer: torch.optim.Optimizer) -> None:
     """After ``load_state_dict``: give loaded param groups the keys they lack from the constructor
-    arguments (a state dict saved by torch.optim.AdamW has no ``bias_correction``, for example)."""
+    arguments (a state dict saved by torch.optim.AdamW has no ``bias_correction``, for example), so
+    that a reloaded optimizer's groups hold the keys a fresh one's do."""
     for group in optimizer.param_groups:
         for key, value in optimizer.defaults.items():
-            group.setdefault(key, value)
+            if key not in _TORCH_BOOKKEEPING:
+                group.setdefault(key, value)
 
 
 def adam_buckets(optimizer: torch.optim.Optimizer, group: dict, owner: str) -> Dict[Tuple, Bucket]:

@@ -345,14 +345,14 @@ class OptimizerContract(_TypedContract):
         return self.provided().spec.factory([{"params": params}], self.parsed_section(), self.context(rank, world_size))
 
     def part(self, engine):
-        return engine.optimizer
+        return engine.basic_optimizer
 
     def state_of(self, engine):
-        return {"optimizer": engine.optimizer.state_dict(),
+        return {"optimizer": engine.basic_optimizer.state_dict(),
                 "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
 
     def trace(self, engine):
-        return [g["lr"] for g in engine.optimizer.param_groups]
+        return [g["lr"] for g in engine.basic_optimizer.param_groups]
 
     @staticmethod
     def _grads(step: int, params):

@@ -40,10 +40,19 @@ class CpuAccelerator(Accelerator):
         return "gloo"
 
     def is_fp16_supported(self) -> bool:
-        """False: CPUs have no native fp16 arithmetic (torch emulates it, slowly), so code that picks
-        a training dtype from ``supported_dtypes()`` gets fp32 / bf16 here, as on DeepSpeed's CPU
-        accelerator. An ``fp16`` config section still runs on CPU (dsplug's tests use it)."""
-        return False
+        """Whether this CPU has native fp16 kernels (oneDNN's probe: AVX512-FP16 or AMX-FP16), as
+        DeepSpeed's CPU accelerator reports it. Without them torch emulates fp16 slowly, so code that
+        picks a training dtype from ``supported_dtypes()`` gets fp32 / bf16. An ``fp16`` config
+        section runs on any CPU either way."""
+        return _onednn_has_fp16()
+
+    def supported_dtypes(self) -> list:
+        import torch
+
+        dtypes = [torch.float32, torch.bfloat16]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        return dtypes
 
     def amp(self):
         import torch
@@ -100,3 +109,14 @@ def specs():
             priority=0,
         )
     ]
+
+
+def _onednn_has_fp16() -> bool:
+    """oneDNN's own answer (a private torch op; a torch without it answers no)."""
+    import torch
+
+    probe = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_fp16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except (RuntimeError, AttributeError):
+        return False

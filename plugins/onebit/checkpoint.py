@@ -12,7 +12,7 @@ RANK_KEY = "onebit"
 
 def onebit_optimizer(engine):
     """The engine's 1-bit optimizer when it communicates across ranks, else None."""
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer = getattr(engine, "basic_optimizer", None)  # under DeepSpeed's wrapper shape
     if optimizer is None or not type(optimizer).__module__.startswith(__package__):
         return None
     from .common import OneBitOptimizer

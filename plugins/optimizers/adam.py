@@ -88,12 +88,6 @@ def build_adam(params, options: dict, type_name: str, decoupled: bool):
                     f"torch_adam: true builds torch.optim.{cls.__name__}, which has no such option"
                 )
         return call_torch_optimizer(cls, params, options, type_name)
-    from dsplug.ops.adam.cpu_adam import DeepSpeedCPUAdam, native_cpu_adam_fits
-
-    if native_cpu_adam_fits(params, options.get("set_grad_none", True)):
-        return DeepSpeedCPUAdam(params, lr=options.get("lr", 1e-3), bias_correction=options.get("bias_correction", True),
-                                betas=options.get("betas", (0.9, 0.999)), eps=options.get("eps", 1e-8),
-                                weight_decay=options.get("weight_decay", 0.0), adamw_mode=decoupled)
     from .adam_optimizer import FusedAdam
 
     return FusedAdam(params, adam_w_mode=decoupled, **options)

@@ -22,6 +22,11 @@ other Adam-family optimizers), chosen per bucket of same-device, same-dtype para
   corrects). It computes the same formula; tests check the two paths agree. On CPU it is several
   times faster (see ``benchmarks/optimizers.py``). Set ``optimizer.use_fused_kernel = False`` to
   force the foreach path.
+
+On CPU fp32 parameters the single pass is the kernel's native ``cpu_adam`` op (the one under
+``DeepSpeedCPUAdam``, a little faster than torch's fused kernel: ``benchmarks/cpu_adam.py``) when it
+is built here and not disabled (``DSPLUG_DISABLE_NATIVE_OPS``); so ``"type": "Adam"`` builds
+FusedAdam on every device, as DeepSpeed does, without giving up that speed on CPU.
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.adam_w_mode = bool(adam_w_mode)  # DeepSpeed's attribute: the constructor's mode (groups may differ)
         self.use_fused_kernel = True
+        self._native = None  # the cpu_adam op, resolved at the first CPU fp32 step
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Drop gradients (``set_grad_none=True``, the default) or zero them in place."""
@@ -83,6 +89,26 @@ class FusedAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         fill_group_defaults(self)
         self.__dict__.setdefault("use_fused_kernel", True)
+        self.__dict__.setdefault("_native", None)
+
+    def _native_cpu_adam(self):
+        """The native cpu_adam op, or False where it is not built or is disabled (asked once)."""
+        if self._native is None:
+            from dsplug.op_builder import CPUAdamBuilder, native_disabled, op_status
+
+            usable = not native_disabled() and op_status("cpu_adam").compatible
+            op = CPUAdamBuilder().load() if usable else None
+            self._native = op if op is not None and op.native is not None else False
+        return self._native
+
+    def _step_bucket(self, bucket, device, dtype, step: int, hyper: AdamHyper) -> None:
+        if self.use_fused_kernel and device.type == "cpu" and dtype == torch.float32 \
+                and _native_step(self._native_cpu_adam(), bucket, step, hyper):
+            return
+        if self.use_fused_kernel and hyper.bias_correction and fused_kernel_available(device, dtype):
+            fused_adam_step(bucket, step, hyper)
+        else:
+            foreach_adam_step(bucket, step, hyper)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,9 +120,18 @@ class FusedAdam(torch.optim.Optimizer):
             hyper = AdamHyper.of(group)
             for (device, dtype, taken), bucket in adam_buckets(self, group, "FusedAdam").items():
                 step = taken + 1
-                if self.use_fused_kernel and hyper.bias_correction and fused_kernel_available(device, dtype):
-                    fused_adam_step(bucket, step, hyper)
-                else:
-                    foreach_adam_step(bucket, step, hyper)
+                self._step_bucket(bucket, device, dtype, step, hyper)
                 bucket.advance(step)
         return loss
+
+
+def _native_step(op, bucket, step: int, h: AdamHyper) -> bool:
+    """One Adam step of a CPU fp32 bucket through the native op, one pass per parameter; False
+    (nothing done) without the op or where a tensor is not contiguous fp32."""
+    tensors = (*bucket.params, *bucket.grads, *bucket.exp_avgs, *bucket.exp_avg_sqs)
+    if not op or not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return False
+    for p, g, m, v in zip(bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs):
+        op.adam_update(p, g, m, v, step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                       weight_decay=h.weight_decay, bias_correction=h.bias_correction, adamw_mode=h.decoupled)
+    return True

@@ -83,7 +83,7 @@ class PipelineCheckpoint:
         engine, module = self.engine, self.engine.module
         record = {"format": FORMAT, "num_stages": module.num_stages, "parts": list(module.parts),
                   "num_layers": module._num_layers, "stage_id": module.stage_id,
-                  "optimizer_param_groups": _hyperparameters(engine.optimizer)}
+                  "optimizer_param_groups": _hyperparameters(engine.basic_optimizer)}
         return {"pipe": record}
 
     @hookimpl
@@ -96,7 +96,7 @@ class PipelineCheckpoint:
         files: Dict[str, Any] = {}
         if first:
             files.update(module.layer_state_dicts(exclude_frozen_params=options.exclude_frozen_parameters))
-        keys = optimizer_state_keys(engine.optimizer)
+        keys = optimizer_state_keys(engine.basic_optimizer)
         for idx, layer in module.local_layer_modules():
             state = self._layer_optimizer_state(layer, keys)  # every data-parallel rank: may gather
             if first:
@@ -201,12 +201,12 @@ def _load_repartitioned(engine, path: str, options: LoadOptions):
         else:
             layer.load_state_dict(weights, strict=options.load_module_strict)
     optimizer_loaded = False
-    if not options.load_module_only and options.load_optimizer_states and engine.optimizer is not None:
-        _materialize_optimizer_state(engine.optimizer, any(o for _w, o in layers.values()))
+    if not options.load_module_only and options.load_optimizer_states and engine.basic_optimizer is not None:
+        _materialize_optimizer_state(engine.basic_optimizer, any(o for _w, o in layers.values()))
         for idx, layer in module.local_layer_modules():
             _load_layer_optimizer_state(engine, layer, layers[idx][1] or {})
         groups = shared.get("pipe", {}).get("optimizer_param_groups") or []
-        for group, saved in zip(engine.optimizer.param_groups, groups):
+        for group, saved in zip(engine.basic_optimizer.param_groups, groups):
             group.update(saved)
         optimizer_loaded = True
     if not optimizer_loaded:
@@ -240,7 +240,7 @@ def _materialize_optimizer_state(optimizer, needed: bool) -> None:
 
 
 def _load_layer_optimizer_state(engine, layer, saved: Dict[str, Any]) -> None:
-    stage, optimizer = engine.stage, engine.optimizer
+    stage, optimizer = engine.stage, engine.basic_optimizer
     for name, p in layer.named_parameters():
         entry = saved.get(name)
         if entry is None:

@@ -2,8 +2,9 @@
 FP16_Optimizer``, ``deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer``,
 ``deepspeed.runtime.bf16_optimizer.BF16_Optimizer`` -- as names that say what dsplug does instead.
 
-dsplug keeps the client optimizer as ``engine.optimizer``; fp16 / bf16 master weights and loss
-scaling are this plugin's precision policy (``engine.precision``). So these classes can be
+fp16 / bf16 master weights and loss scaling are this plugin's precision policy
+(``engine.precision``), and ``engine.optimizer`` has a wrapper's shape without being one
+(:class:`dsplug.optimizer_view.WrappedOptimizer`). So these classes can be
 imported and used in ``isinstance`` checks (always False for dsplug's engines), and constructing
 one raises :class:`dsplug.unavailable.NotAvailableInDsplug` explaining that.
 """

@@ -74,7 +74,7 @@ def _train(precision: str, zero: dict) -> dict:
         host += [p.ds_tensor for p in engine.module.parameters()]
         host += [g.host_master for g in stage.groups if getattr(g, "host_master", None) is not None]
     out = {"losses": losses, "scales": scales, "skipped": int(engine.skipped_steps), "backend": dist.get_backend(),
-           "device": str(engine.device), "optimizer": type(engine.optimizer).__name__,
+           "device": str(engine.device), "optimizer": type(engine.basic_optimizer).__name__,
            "host": [(t.device.type, bool(t.is_pinned())) for t in host]}
     engine.destroy()
     return out

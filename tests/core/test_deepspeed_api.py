@@ -652,6 +652,11 @@ def _dist_stage3_job():
             out["grads"] = [safe_get_full_grad(p) for p in engine.module.parameters()]
             out["grad_pieces"] = [engine.stage.groups[engine.stage.place[id(p)][0]].grad_views[
                 engine.stage.place[id(p)][1]].float().clone() for p in engine.module.parameters()]
+            # DeepSpeed's ZeRO-3 optimizer internals, through engine.optimizer
+            parts = engine.optimizer.get_fp32_grad_partitions()
+            out["ds_parts"] = [parts[engine.stage.place[id(p)][0]][engine.stage.place[id(p)][1]].clone()
+                               for p in engine.module.parameters()]
+            out["ds_averaged"] = [t.clone() for t in engine.optimizer.averaged_gradients[0]]
         engine.step()
     params = list(engine.module.parameters())
     out["full"] = [safe_get_full_fp32_param(p) for p in params]
@@ -691,6 +696,9 @@ def test_safe_get_full_values_at_stage3_over_two_processes():
         assert torch.equal(full0.to(torch.bfloat16), r0["gathered"][i])
         assert torch.equal(r0["exp_avg"][i].reshape(-1), torch.cat([r0["state_pieces"][i], r1["state_pieces"][i]])[:n])
         assert torch.equal(r0["grads"][i].reshape(-1), torch.cat([r0["grad_pieces"][i], r1["grad_pieces"][i]])[:n])
+        for r in (r0, r1):  # engine.optimizer.get_fp32_grad_partitions(): the same pieces, in fp32
+            assert r["ds_parts"][i].dtype == torch.float32 and torch.equal(r["ds_parts"][i], r["grad_pieces"][i])
+            assert torch.equal(r["ds_averaged"][i], r["ds_parts"][i])
         assert torch.equal(r0["grads"][i], r1["grads"][i])
     assert r1["consolidated"] is None
     consolidated, module_state = r0["consolidated"], r0["module_state"]

@@ -289,7 +289,7 @@ def test_a_passed_optimizer_under_offload_is_the_one_that_trains():
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     engine, opt, _, _ = dsplug.initialize(model=make_model(), optimizer=sgd, config=config)
-    assert type(opt) is torch.optim.SGD
+    assert type(opt.optimizer) is torch.optim.SGD and opt.optimizer is engine.basic_optimizer
 
 
 def test_the_models_own_attributes_pass_through_the_engine():

@@ -122,7 +122,7 @@ def native_cpu_adam_fits(params, set_grad_none: bool = True) -> bool:
     """Whether these parameters (tensors or param groups) can step through the native cpu_adam op:
     all CPU-resident fp32, the op builds here, and ``DSPLUG_DISABLE_NATIVE_OPS`` is not set. The
     op always drops gradients after a step, so ``set_grad_none=False`` (keep them, zeroed) does
-    not fit. The Adam optimizer plugins pick the op over their multi-tensor path on this test."""
+    not fit. The 1-bit optimizers pick the op over their multi-tensor path on this test."""
     import torch
 
     from dsplug.op_builder import native_disabled, op_status

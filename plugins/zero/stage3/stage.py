@@ -50,6 +50,7 @@ from .offload_store import OffloadedPartitions
 from .partitioned_param import ParamPartitioner, ZeroParamStatus, is_partitioned, piece_of, unique
 from .traits import TRAITS
 from .reduce import GradientReducer
+from .wrapper_internals import Stage3WrapperInternals
 from .zeropp import build_zeropp, secondary_tensors
 
 
@@ -264,6 +265,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.all_params
                        if p.requires_grad]
         self.last_grad_norm: Optional[float] = None
+        #: DeepSpeed's ZeRO-3 optimizer internals, read through engine.optimizer
+        self.wrapper_internals = Stage3WrapperInternals(self)
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.nn.Parameter) -> None:

@@ -167,7 +167,7 @@ def test_stage_1_and_2_cpu_offload_trains_like_no_offload(stage, precision):
 
 def test_stage_2_offload_steps_host_masters_with_cpu_adam():
     engine = engine_for({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16")
-    assert type(engine.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert type(engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in engine.stage.opt_params)
     train(engine, 1)
     assert engine.stage.offload.written_by_step  # bf16 host partitions written by cpu_adam's pass
@@ -264,11 +264,11 @@ def test_nvme_with_a_torch_optimizer_learns_its_state_on_the_first_step(tmp_path
 # --------------------------------------------------------------------------- the CPU optimizer
 def test_config_adam_and_adagrad_become_deepspeed_cpu_optimizers():
     engine = engine_for(CASES["cpu"])
-    assert type(engine.optimizer).__name__ == "DeepSpeedCPUAdam" and engine.optimizer.adamw_mode
+    assert type(engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam" and engine.optimizer.adamw_mode
     assert all(p.device.type == "cpu" for g in engine.optimizer.param_groups for p in g["params"])
     engine.destroy()
     engine = engine_for(CASES["cpu"], section={"type": "Adagrad", "params": {"lr": 0.05}})
-    assert type(engine.optimizer).__name__ == "DeepSpeedCPUAdagrad"
+    assert type(engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdagrad"
     assert engine.optimizer.param_groups[0]["lr"] == 0.05
     engine.destroy()
 
@@ -292,7 +292,7 @@ def test_ratio_splits_the_step_between_host_and_device():
     from dsplug.plugins.zero.partitioning.offload import SplitOptimizer
 
     engine = engine_for({"offload_optimizer": {"device": "cpu", "ratio": 0.5}})
-    opt = engine.optimizer
+    opt = engine.optimizer.optimizer
     assert isinstance(opt, SplitOptimizer) and type(opt.host).__name__ == "DeepSpeedCPUAdam"
     host = [p for g in opt.host.param_groups for p in g["params"]]
     device = [p for g in opt.device.param_groups for p in g["params"]]
@@ -316,7 +316,7 @@ def test_ratio_splits_the_step_between_host_and_device():
 
 def test_ratio_zero_keeps_the_whole_step_on_the_device():
     engine = engine_for({"offload_optimizer": {"device": "cpu", "ratio": 0.0}})
-    assert type(engine.optimizer).__name__ != "SplitOptimizer"
+    assert type(engine.optimizer.optimizer).__name__ != "SplitOptimizer"
     assert not engine.stage.store.groups[0].host_count
     engine.destroy()
 

@@ -59,7 +59,7 @@ def _job(nvme_root: str):
             engine.destroy()
             left = [f for f in files if os.path.exists(f)]
             out[(name, precision)] = {"losses": losses, "params": params, "files": files, "left": left,
-                                      "optimizer": type(engine.optimizer).__name__}
+                                      "optimizer": type(engine.basic_optimizer).__name__}
     out["rank"] = comm.get_rank()
     return out
 

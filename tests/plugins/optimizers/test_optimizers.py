@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from dsplug.config.params import options_of
 from dsplug.config.schema import ConfigError, Report, parse
 from dsplug.context import BuildContext
-from dsplug.ops.adam import DeepSpeedCPUAdam
 from dsplug.plugins.optimizers import adam_optimizer, torch_optim, torch_signatures
 from dsplug.plugins.optimizers.adam_optimizer import FusedAdam
 from dsplug.plugins.optimizers.adagrad import AdagradParams
@@ -108,7 +107,7 @@ def test_adam_matches_torch(seed, widths, lr, wd, betas, eps, adam_w_mode, torch
     if torch_adam:
         assert type(opt) is expected_cls
     else:  # CPU fp32 parameters step through the native cpu_adam op when it can be built
-        assert isinstance(opt, (FusedAdam, DeepSpeedCPUAdam))
+        assert type(opt) is FusedAdam
     reference = expected_cls(theirs, lr=lr, weight_decay=wd, betas=betas, eps=eps, foreach=False)
     train(opt, ours, model, 15, seed, skip_last_on_odd_steps=True)
     train(reference, theirs, model, 15, seed, skip_last_on_odd_steps=True)
@@ -182,6 +181,7 @@ def test_fused_kernel_path_equals_foreach_path(monkeypatch, adam_w_mode):
     """Invariant: the fast path (torch's fused kernel) computes what the readable foreach path does."""
     if not adam_optimizer.fused_kernel_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no fused Adam kernel for CPU")
+    monkeypatch.setenv("DSPLUG_DISABLE_NATIVE_OPS", "1")  # else CPU fp32 steps take the native op
     calls = []
     real = adam_optimizer.fused_adam_step
     monkeypatch.setattr(adam_optimizer, "fused_adam_step", lambda *a: calls.append(1) or real(*a))
@@ -210,25 +210,47 @@ def test_l2_and_decoupled_modes_differ():
 
 
 def test_adam_defaults_are_fused_adam_defaults(monkeypatch):
-    monkeypatch.setenv("DSPLUG_DISABLE_NATIVE_OPS", "1")  # keep FusedAdam for CPU parameters
     opt = build("Adam", {}, [torch.zeros(2, requires_grad=True)])
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
     assert group["bias_correction"] is True and group["adam_w_mode"] is True and opt.set_grad_none is True
 
 
-def test_cpu_fp32_parameters_use_the_native_cpu_adam(monkeypatch):
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_steps_cpu_fp32_parameters_through_the_native_op(monkeypatch, adam_w_mode):
+    """"type": "Adam" / "AdamW" build FusedAdam (as DeepSpeed does) on CPU parameters too; its CPU
+    fp32 steps go through the native cpu_adam op and compute what the foreach path does."""
     from dsplug.op_builder import op_status
 
     if not op_status("cpu_adam").compatible:
         pytest.skip("no C++ toolchain: the native op cannot be built here")
     opt = build("AdamW", {"lr": 0.01, "weight_decay": 0.1}, [torch.zeros(2, requires_grad=True)])
-    assert isinstance(opt, DeepSpeedCPUAdam) and opt.adamw_mode is True
+    assert type(opt) is FusedAdam and opt.adam_w_mode is True
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.01, (0.9, 0.999), 1e-8, 0.1)
+    calls = []
+    real = adam_optimizer._native_step
+    monkeypatch.setattr(adam_optimizer, "_native_step", lambda *a: calls.append(real(*a)) or calls[-1])
+    params = [torch.randn(33, 17), torch.randn(17), torch.randn(3, 3, 3)]
+    grads = random_grad_steps(params, 12, 5)
+    results = []
+    for fast in (True, False):
+        ours = [p.clone() for p in params]
+        opt = FusedAdam(ours, lr=5e-3, weight_decay=0.2, adam_w_mode=adam_w_mode, betas=(0.8, 0.95))
+        opt.use_fused_kernel = fast
+        results.append(run_with_grads(opt, ours, grads))
+    assert calls == [True] * 12  # the fast run stepped through the op, the other did not ask
+    assert_params_close(results[0], results[1])
+    assert opt._native_cpu_adam().native is not None
+
+
+def test_fused_adam_without_the_native_op_takes_torchs_kernels(monkeypatch):
     monkeypatch.setenv("DSPLUG_DISABLE_NATIVE_OPS", "1")
-    assert isinstance(build("AdamW", {}, [torch.zeros(2, requires_grad=True)]), FusedAdam)
-    assert isinstance(build("Adam", {"set_grad_none": False}, [torch.zeros(2, requires_grad=True)]), FusedAdam)
+    params = [torch.randn(5, 3)]
+    grads = random_grad_steps(params, 3, 1)
+    opt = build("Adam", {"lr": 0.01}, params)
+    run_with_grads(opt, params, grads)
+    assert type(opt) is FusedAdam and opt._native_cpu_adam() is False
 
 
 def test_set_grad_none_controls_zero_grad():
@@ -575,6 +597,8 @@ def test_state_dict_round_trip(make):
     opt2 = make(resumed)
     opt2.load_state_dict(saved)
     assert opt2.state_dict()["state"][0]["step"] == 4
+    # the reloaded groups hold the same keys as the saved ones (no torch bookkeeping such as 'differentiable')
+    assert [set(g) for g in opt2.state_dict()["param_groups"]] == [set(g) for g in saved["param_groups"]]
     run_with_grads(opt2, resumed, grads[4:])
     for a, b in zip(resumed, straight):
         assert torch.equal(a, b)

@@ -37,6 +37,6 @@ def test_wrapper_optimizer_names_import_never_match_and_refuse_construction():
         "train_batch_size": 1, "optimizer": {"type": "Adam"}, "bf16": {"enabled": True}})
     for cls in (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer):
         assert not isinstance(engine.optimizer, cls)
-        with pytest.raises(NotAvailableInDsplug, match="engine.optimizer is the client optimizer itself"):
+        with pytest.raises(NotAvailableInDsplug, match="engine.optimizer has the wrapper's shape without being one"):
             cls(optimizer)
-    assert isinstance(engine.optimizer, torch.optim.Optimizer)
+    assert isinstance(engine.optimizer.optimizer, torch.optim.Optimizer)
