@@ -34,7 +34,7 @@ class DeepSpeedAccessors:
         base = self.basic_optimizer
         if base is None or not wraps_optimizer(self.zero_optimization_stage(), self.precision.name):
             return base
-        return WrappedOptimizer(base, self.precision, getattr(self.stage, "wrapper_internals", None))
+        return WrappedOptimizer(base, self.precision, self.stage)
 
     def allreduce_gradients(self, bucket_size=None) -> None:
         """DeepSpeed's explicit gradient reduction, which its ``backward()`` calls at an accumulation

@@ -696,9 +696,12 @@ def test_safe_get_full_values_at_stage3_over_two_processes():
         assert torch.equal(full0.to(torch.bfloat16), r0["gathered"][i])
         assert torch.equal(r0["exp_avg"][i].reshape(-1), torch.cat([r0["state_pieces"][i], r1["state_pieces"][i]])[:n])
         assert torch.equal(r0["grads"][i].reshape(-1), torch.cat([r0["grad_pieces"][i], r1["grad_pieces"][i]])[:n])
-        for r in (r0, r1):  # engine.optimizer.get_fp32_grad_partitions(): the same pieces, in fp32
-            assert r["ds_parts"][i].dtype == torch.float32 and torch.equal(r["ds_parts"][i], r["grad_pieces"][i])
-            assert torch.equal(r["ds_averaged"][i], r["ds_parts"][i])
+        for r in (r0, r1):  # engine.optimizer.get_fp32_grad_partitions(): the same pieces, in fp32,
+            part = r["ds_parts"][i]  # each ceil(n / 2) long (an odd size's last one zero-padded)
+            assert part.dtype == torch.float32 and part.numel() == (n + 1) // 2
+            assert torch.equal(part, r["grad_pieces"][i]) and torch.equal(r["ds_averaged"][i], part)
+        if n % 2:
+            assert r1["ds_parts"][i][-1] == 0
         assert torch.equal(r0["grads"][i], r1["grads"][i])
     assert r1["consolidated"] is None
     consolidated, module_state = r0["consolidated"], r0["module_state"]

@@ -144,10 +144,36 @@ def test_a_torch_scheduler_built_on_engine_optimizer_drives_what_trains():
     sched = torch.optim.lr_scheduler.StepLR(view, step_size=1, gamma=0.5)
     for _ in range(2):
         engine.backward(engine(torch.randn(4, IN)).pow(2).mean())
-        engine.step()
-        view.step()  # a base step on its own: the view's step reaches the base once
+        view.step()  # the stage's update, through torch's wrapper of step (no recursion)
+        view.zero_grad()
         sched.step()
     assert engine.basic_optimizer.param_groups[0]["lr"] == pytest.approx(0.025) == engine.get_lr()[0]
     assert "step" not in vars(engine.basic_optimizer)  # torch's wrapper stayed on the view
     handle = view.register_step_post_hook(lambda opt, args, kwargs: None)  # torch's hooks: the base's
     assert handle.id in engine.basic_optimizer._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_views_step_and_zero_grad_are_the_stages(stage):
+    """As DeepSpeed's wrappers: ``engine.optimizer.step()`` is the stage's whole update (the same
+    weights as engine.step()), ``_global_grad_norm`` its norm, ``zero_grad()`` drops the gradients
+    the stage holds; the engine's counters are engine.step()'s alone."""
+    torch.manual_seed(0)
+    batches = [torch.randn(4, IN) for _ in range(3)]
+    by_engine, by_view = _engine(stage, gradient_clipping=0.5), _engine(stage, gradient_clipping=0.5)
+    for x in batches:
+        by_engine.backward(by_engine(x).pow(2).mean())
+        by_engine.step()
+        by_view.backward(by_view(x).pow(2).mean())
+        by_view.optimizer.step()
+        assert by_view.optimizer._global_grad_norm == pytest.approx(by_engine.get_global_grad_norm())
+        by_view.optimizer.zero_grad()
+    from dsplug.utils import safe_get_full_fp32_param
+
+    for a, b in zip(by_engine.module.parameters(), by_view.module.parameters()):
+        assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
+    assert by_view.global_steps == 0 and by_engine.global_steps == 3
+    by_view.backward(by_view(batches[0]).pow(2).mean())
+    by_view.optimizer.zero_grad()
+    if stage == 3:
+        assert not any(t.any() for t in by_view.optimizer.get_fp32_grad_partitions()[0].values())

@@ -90,14 +90,15 @@ def build_host_optimizer(groups: List[dict], build_optimizer, context, where: st
     name = selected.type.strip().lower() if selected is not None else None
     if name in ("adam", "adamw"):
         options = _options(selected)
-        if not options.get("torch_adam", False):
-            from dsplug.ops.adam import DeepSpeedCPUAdam
+        if options.get("torch_adam", False):  # torch's class asked for by name: stepped as it is, as in DeepSpeed
+            return build_optimizer(groups)
+        from dsplug.ops.adam import DeepSpeedCPUAdam
 
-            decoupled = True if name == "adamw" else bool(options.get("adam_w_mode", True))
-            return DeepSpeedCPUAdam(groups, lr=options.get("lr", 1e-3),
-                                    bias_correction=options.get("bias_correction", True),
-                                    betas=tuple(options.get("betas", (0.9, 0.999))), eps=options.get("eps", 1e-8),
-                                    weight_decay=options.get("weight_decay", 0.0), adamw_mode=decoupled)
+        decoupled = True if name == "adamw" else bool(options.get("adam_w_mode", True))
+        return DeepSpeedCPUAdam(groups, lr=options.get("lr", 1e-3),
+                                bias_correction=options.get("bias_correction", True),
+                                betas=tuple(options.get("betas", (0.9, 0.999))), eps=options.get("eps", 1e-8),
+                                weight_decay=options.get("weight_decay", 0.0), adamw_mode=decoupled)
     if name == "adagrad":
         options = _options(selected)
         unsupported = {k: v for k, v in options.items() if k in ("maximize", "differentiable") and v}

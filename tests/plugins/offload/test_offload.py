@@ -283,6 +283,16 @@ def test_zero_force_ds_cpu_optimizer_refuses_other_optimizers():
         engine_for(CASES["cpu"], section={"type": "SGD", "params": {"lr": 0.1}}, zero_allow_untested_optimizer=True)
 
 
+def test_torch_adam_by_name_steps_the_cpu_partitions_under_force():
+    """``torch_adam: true`` asks for torch's class by name: DeepSpeed steps it on the host partitions
+    even while zero_force_ds_cpu_optimizer is true, and so does dsplug."""
+    engine = engine_for(CASES["cpu"], section={"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}})
+    assert type(engine.optimizer.optimizer) is torch.optim.AdamW
+    assert all(p.device.type == "cpu" for g in engine.optimizer.param_groups for p in g["params"])
+    train(engine, 1)
+    engine.destroy()
+
+
 def test_without_force_a_torch_optimizer_steps_the_cpu_partitions():
     got = run(CASES["cpu"], optimizer=adamw, zero_force_ds_cpu_optimizer=False)
     assert_same(got, reference(), TIGHT)
