@@ -6,7 +6,9 @@
 Parameters are laid out like transformer blocks (hidden x hidden matrices plus bias vectors), all
 optimizers see the same gradients, and runs are interleaved in rounds so that machine noise hits
 every candidate alike. Printed ratio = other step time / dsplug FusedAdam step time (> 1: dsplug faster). dsplug's
-FusedAdam takes torch's fused kernel where it exists; its foreach path is timed as well.
+FusedAdam steps CPU fp32 parameters through the native cpu_adam op (the one under DeepSpeedCPUAdam,
+timed as well), other devices and dtypes through torch's fused kernel where it exists; its torch-kernel
+and foreach paths are timed as well.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 import torch
 
 from dsplug.accelerator import get_accelerator
+from dsplug.ops.adam import DeepSpeedCPUAdam
 from dsplug.plugins.optimizers.adam_optimizer import FusedAdam
 
 HIDDEN = 1024
@@ -36,14 +39,23 @@ def foreach_only(params):
     return optimizer
 
 
-def candidates(fused_available: bool):
+def torch_kernel_only(params):
+    optimizer = FusedAdam(params, lr=1e-3, weight_decay=0.01)
+    optimizer._native = False  # as without the native op: torch's fused kernel
+    return optimizer
+
+
+def candidates(fused_available: bool, device):
     out = {
         "dsplug FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
+        "dsplug FusedAdam, torch kernel": torch_kernel_only,
         "dsplug FusedAdam, foreach path": foreach_only,
         "torch AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
     }
     if fused_available:
         out["torch AdamW(fused=True)"] = lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True)
+    if device.type == "cpu":
+        out["dsplug DeepSpeedCPUAdam"] = lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3, weight_decay=0.01)
     return out
 
 
@@ -62,7 +74,7 @@ def bench(millions: float, steps: int, rounds: int, device) -> dict:
     template = make_params(millions, device)
     grads = [torch.randn_like(p) * 1e-2 for p in template]
     runs = {}
-    for name, make in candidates(fused_supported(device)).items():
+    for name, make in candidates(fused_supported(device), device).items():
         params = [p.clone().requires_grad_(True) for p in template]
         for p, g in zip(params, grads):
             p.grad = g  # shared: no optimizer here writes to gradients
