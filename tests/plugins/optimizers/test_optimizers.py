@@ -176,6 +176,20 @@ def test_adam_matches_handwritten_reference(seed, decoupled, bias_correction, wd
     assert_params_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+def fast_and_foreach_runs(adam_w_mode: bool, steps: int, seed: int):
+    """FusedAdam's fast path (use_fused_kernel) and its foreach path on the same gradients: the two
+    resulting parameter lists."""
+    params = [torch.randn(33, 17), torch.randn(17), torch.randn(3, 3, 3)]
+    grads = random_grad_steps(params, steps, seed)
+    results = []
+    for fast in (True, False):
+        ours = [p.clone() for p in params]
+        opt = FusedAdam(ours, lr=5e-3, weight_decay=0.2, adam_w_mode=adam_w_mode, betas=(0.8, 0.95))
+        opt.use_fused_kernel = fast
+        results.append(run_with_grads(opt, ours, grads))
+    return results
+
+
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_fused_kernel_path_equals_foreach_path(monkeypatch, adam_w_mode):
     """Invariant: the fast path (torch's fused kernel) computes what the readable foreach path does."""
@@ -185,14 +199,7 @@ def test_fused_kernel_path_equals_foreach_path(monkeypatch, adam_w_mode):
     calls = []
     real = adam_optimizer.fused_adam_step
     monkeypatch.setattr(adam_optimizer, "fused_adam_step", lambda *a: calls.append(1) or real(*a))
-    params = [torch.randn(33, 17), torch.randn(17), torch.randn(3, 3, 3)]
-    grads = random_grad_steps(params, 30, 8)
-    results = []
-    for fused in (True, False):
-        ours = [p.clone() for p in params]
-        opt = FusedAdam(ours, lr=5e-3, weight_decay=0.2, adam_w_mode=adam_w_mode, betas=(0.8, 0.95))
-        opt.use_fused_kernel = fused
-        results.append(run_with_grads(opt, ours, grads))
+    results = fast_and_foreach_runs(adam_w_mode, 30, 8)
     assert len(calls) == 30  # the fused run took the fast path, the other did not
     assert_params_close(results[0], results[1])
 
@@ -209,7 +216,7 @@ def test_l2_and_decoupled_modes_differ():
     assert not torch.allclose(results[0], results[1])
 
 
-def test_adam_defaults_are_fused_adam_defaults(monkeypatch):
+def test_adam_defaults_are_fused_adam_defaults():
     opt = build("Adam", {}, [torch.zeros(2, requires_grad=True)])
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
@@ -231,17 +238,9 @@ def test_fused_adam_steps_cpu_fp32_parameters_through_the_native_op(monkeypatch,
     calls = []
     real = adam_optimizer._native_step
     monkeypatch.setattr(adam_optimizer, "_native_step", lambda *a: calls.append(real(*a)) or calls[-1])
-    params = [torch.randn(33, 17), torch.randn(17), torch.randn(3, 3, 3)]
-    grads = random_grad_steps(params, 12, 5)
-    results = []
-    for fast in (True, False):
-        ours = [p.clone() for p in params]
-        opt = FusedAdam(ours, lr=5e-3, weight_decay=0.2, adam_w_mode=adam_w_mode, betas=(0.8, 0.95))
-        opt.use_fused_kernel = fast
-        results.append(run_with_grads(opt, ours, grads))
+    results = fast_and_foreach_runs(adam_w_mode, 12, 5)
     assert calls == [True] * 12  # the fast run stepped through the op, the other did not ask
     assert_params_close(results[0], results[1])
-    assert opt._native_cpu_adam().native is not None
 
 
 def test_fused_adam_without_the_native_op_takes_torchs_kernels(monkeypatch):
