@@ -420,7 +420,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _gloo_ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
+def _gloo_ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """A ring reduce-scatter (sum) over point-to-point messages, for gloo, which has no
     reduce-scatter: in world-1 steps each rank sends one running partial sum of a 1/world slice to
     its right neighbour and adds the one arriving from its left, so each rank sends (n-1)/n of
@@ -428,30 +428,50 @@ def _gloo_ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) 
     rank. ``input`` is only read (an ``output`` inside it is filled at the end). The partial sums
     alternate between ``output`` and one scratch buffer kept by this module (world > 2 only):
     nothing large is allocated per call. (Measured on loopback gloo, 200 MB at 2 ranks: 86 ms, vs
-    209 ms for an all-reduce of the same bytes.)"""
+    209 ms for an all-reduce of the same bytes.)
+
+    ``async_op`` with an even world: the first step (all of it at 2 ranks) is left in flight and a
+    work is returned whose ``wait()`` finishes it and runs the other steps; ``input`` and
+    ``output`` must stay untouched until then. Otherwise the ring finishes before returning (None)."""
     world, rank = get_world_size(group), get_rank(group)
     rows = input.reshape(world, -1)
     out = output.view(-1)
     if world == 1:
         out.copy_(rows[0])
-        return
+        return None
     if _overlap(out, input):  # in place (output a slice of input): partial sums may not land there
         result = torch.empty_like(out)
         _gloo_ring_reduce_scatter(result, input, group)
         out.copy_(result)
-        return
+        return None
     right, left = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
-    with _RING_LOCK:
+
+    def run_steps(first: int, partial: torch.Tensor) -> None:
         # step s receives into buffers[s % 2]; the last step (world - 2) must land in ``output``
         scratch = _ring_scratch(out) if world > 2 else None
         buffers = (out, scratch) if world % 2 == 0 else (scratch, out)
-        partial = rows[(rank - 1) % world]  # only read (sent): no copy
-        for step in range(world - 1):
+        for step in range(first, world - 1):
             arriving = buffers[step % 2]
             works = [dist.isend(partial, right, group=group), dist.irecv(arriving, left, group=group)]
             for work in works:
                 faults.bounded_wait(work, gloo=True)
             partial = arriving.add_(rows[(rank - 2 - step) % world])
+
+    if async_op and world % 2 == 0:
+        # step 0 receives into ``output`` (not the shared scratch), so it may stay in flight while
+        # other reductions start; every rank issues them in the same order, so messages pair up
+        works = [dist.isend(rows[(rank - 1) % world], right, group=group), dist.irecv(out, left, group=group)]
+
+        def after_first_step() -> None:
+            partial = out.add_(rows[(rank - 2) % world])
+            if world > 2:
+                with _RING_LOCK:
+                    run_steps(1, partial)
+
+        return _AllWorks(works, after=after_first_step)
+    with _RING_LOCK:
+        run_steps(0, rows[(rank - 1) % world])  # (the first partial is only read (sent): no copy)
+    return None
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
@@ -459,9 +479,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     """Reduce ``input`` over ranks and leave rank r's equal slice in ``output``.
 
     gloo has no reduce-scatter: there a sum is a ring reduce-scatter over point-to-point messages
-    (:func:`_gloo_ring_reduce_scatter`); another op is an all-reduce of ``input`` (in place)
-    followed by a copy of this rank's slice (reported as op ``"all_reduce"``). Both finish
-    before returning (None) even with ``async_op``.
+    (:func:`_gloo_ring_reduce_scatter`, asynchronous with ``async_op`` where the world is even);
+    another op is an all-reduce of ``input`` (in place) followed by a copy of this rank's slice
+    (reported as op ``"all_reduce"``), which finishes before returning (None) even with ``async_op``.
     """
     gloo = get_backend(group) == "gloo"
     if gloo and op != ReduceOp.SUM:
@@ -473,10 +493,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
 
     def fn():
         if gloo:
-            return _gloo_ring_reduce_scatter(output, input, group)
+            return _gloo_ring_reduce_scatter(output, input, group, async_op=async_op)
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
-    return _run("reduce_scatter", _nbytes(input), fn, async_op and not gloo, group)
+    return _run("reduce_scatter", _nbytes(input), fn, async_op, group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):

@@ -245,6 +245,17 @@ def _reduce_scatter_run():
             in_place = full.clone()  # output a slice of the input (reduce_scatter_fn's in-place use)
             comm.reduce_scatter_tensor(in_place.chunk(world)[rank], in_place)
             out[f"{dtype} in place"] = in_place.chunk(world)[rank].clone()
+        # two in flight at once (async_op: the first ring step left running at an even world), waited
+        # oldest first: each equals the synchronous sum, and neither input was written
+        full = (torch.randn(world * 5, generator=torch.Generator().manual_seed(rank)) * 4).round()
+        inputs = (full.clone(), full * 2)
+        outputs = (torch.empty(5), torch.empty(5))
+        works = [comm.reduce_scatter_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)]
+        out["async pending"] = [not w.is_completed() for w in works]
+        for work in works:
+            work.wait()
+        out["async"] = outputs
+        out["async input kept"] = torch.equal(inputs[0], full) and torch.equal(inputs[1], full * 2)
         peak = torch.full((world * 2,), float(rank))
         top = torch.empty(2)
         comm.reduce_scatter_tensor(top, peak, op=comm.ReduceOp.MAX)  # not a sum: all-reduce fallback
@@ -264,7 +275,13 @@ def test_gloo_reduce_scatter_is_a_ring_of_p2p_sums(world):
             assert torch.equal(out[str(dtype)], total[rank * 5:(rank + 1) * 5])
             assert out[f"{dtype} input kept"]
             assert torch.equal(out[f"{dtype} in place"], total[rank * 5:(rank + 1) * 5])
+        total = sum((torch.randn(size * 5, generator=torch.Generator().manual_seed(r)) * 4).round()
+                    for r in range(size))[rank * 5:(rank + 1) * 5]
+        assert torch.equal(out["async"][0], total) and torch.equal(out["async"][1], total * 2)
+        assert out["async input kept"]
+        if size % 2:  # an odd world's ring finishes before returning
+            assert out["async pending"] == [False, False]
         assert torch.equal(out["max"], torch.full((2,), float(size - 1)))
         # the listener sees one reduce-scatter of the input per call (not its point-to-point steps)
         assert seen == [("reduce_scatter", size * 5 * 4)] * 2 + [("reduce_scatter", size * 5 * 2)] * 2 + \
-            [("all_reduce", size * 2 * 4)]
+            [("reduce_scatter", size * 5 * 4)] * 2 + [("all_reduce", size * 2 * 4)]

@@ -12,6 +12,17 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 
+#: the largest gradient bucket a stage reduces while backward goes on (``reduce_bucket_size`` when
+#: smaller): a model under DeepSpeed's default 5e8 would otherwise be one bucket, reduced only
+#: after backward has finished. The sums are the same whatever the bucketing.
+OVERLAP_BUCKET_ELEMENTS = 2 ** 22
+
+
+def overlap_bucket_elements(reduce_bucket_size) -> int:
+    """Elements per gradient bucket for a reduction that overlaps backward."""
+    return max(1, min(int(reduce_bucket_size), OVERLAP_BUCKET_ELEMENTS))
+
+
 def reduction_domains(params: List[torch.nn.Parameter], reduction_of: Callable) -> Dict[Optional[str], tuple]:
     """Parameters by where their gradients are averaged: ``{key: (reduction, params)}`` in
     first-appearance order, ``reduction_of`` being ``context.reduction_of``

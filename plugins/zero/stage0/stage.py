@@ -34,7 +34,7 @@ from dsplug.contracts import ZeroStage
 
 from ..checkpoint import deepspeed_format as dsf
 from ..partitioning.gradients import comm_dtype, unscale_check_clip
-from ..partitioning.reductions import reduction_domains
+from ..partitioning.reductions import OVERLAP_BUCKET_ELEMENTS, overlap_bucket_elements, reduction_domains
 from .buckets import GradientBuckets
 from .traits import TRAITS
 
@@ -384,11 +384,5 @@ def _global_norm(grads: List[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms), 2))
 
 
-#: stage 0 uses buckets of at most this many elements (or reduce_bucket_size if smaller) so that
-#: all-reduce overlaps backward
-OVERLAP_BUCKET_ELEMENTS = 2 ** 22
-
-
 def _bucket_elements(zero_config) -> int:
-    size = getattr(zero_config, "reduce_bucket_size", OVERLAP_BUCKET_ELEMENTS)
-    return max(1, min(int(size), OVERLAP_BUCKET_ELEMENTS))
+    return overlap_bucket_elements(getattr(zero_config, "reduce_bucket_size", OVERLAP_BUCKET_ELEMENTS))

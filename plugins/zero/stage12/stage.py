@@ -38,7 +38,7 @@ from ..checkpoint import deepspeed_format as dsf
 from ..checkpoint.layout import merge_partitions
 from ..partitioning.checks import check_elementwise
 from ..partitioning.flat import FlatGroup, gather_partitions, round_robin_order
-from ..partitioning.gradients import comm_dtype, fp32_clip_coefficient, unscale_check_clip
+from ..partitioning.gradients import comm_dtype, fp32_clip_coefficient, fp64_square_sum, unscale_check_clip
 from ..partitioning.offload import open_devices
 from ..partitioning.reductions import reduction_domains
 from .traits import TRAITS
@@ -272,7 +272,7 @@ class PartitionedStage(dsf.DeepSpeedInterchange, ZeroStage):
         each group's sum of squares in fp64, rounded to fp32, summed over the ranks; the group
         norms (fp32) then combined. The rounding matches DeepSpeed's to the last bit, which bf16
         training magnifies (a weight that rounds the other way)."""
-        squares = torch.stack([torch.linalg.vector_norm(g.double(), 2) ** 2 for g in grads]).float()
+        squares = torch.stack([fp64_square_sum(g) for g in grads]).float()
         if self.world_size > 1:
             squares = squares.to(self.groups[0].buffer.device)
             self.comm.all_reduce(squares)

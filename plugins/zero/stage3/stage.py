@@ -40,9 +40,9 @@ from dsplug.contracts import ZeroStage
 from dsplug.logging import log_rank0
 
 from ..checkpoint import deepspeed_format as dsf
-from ..partitioning.gradients import comm_dtype, unscale_check_clip
+from ..partitioning.gradients import comm_dtype, fp64_square_sum, unscale_check_clip
 from ..partitioning.offload import open_devices
-from ..partitioning.reductions import refuse_other_reductions
+from ..partitioning.reductions import overlap_bucket_elements, refuse_other_reductions
 from .checkpoint import CheckpointFormatError, check_partitioned, consolidate, flatten_group_state, is_elementwise
 from .coordinator import ParamCoordinator
 from .offload_params import param_partitioner
@@ -258,7 +258,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.coordinator.install()
         self.reducer = GradientReducer(
             self.comm, self.rank, self.world_size, comm_dtype(kernel, self.accum_dtype),
-            bucket_elements=zero_config.reduce_bucket_size, prescale=kernel.prescale_gradients,
+            bucket_elements=self._reduce_bucket_elements(zero_config), prescale=kernel.prescale_gradients,
             predivide=kernel.gradient_predivide_factor, use_reduce_scatter=zero_config.reduce_scatter,
             overlap=zero_config.overlap_comm, accumulate=self._accumulate,
             quantized=self.zeropp.gradients if self.zeropp is not None else None)
@@ -311,6 +311,15 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         self.zero_grad()
         return True
 
+    def _reduce_bucket_elements(self, zero_config) -> int:
+        """``reduce_bucket_size``; with ``overlap_comm`` at most OVERLAP_BUCKET_ELEMENTS, so that the
+        reduce-scatters run while backward goes on (ZeRO++'s quantized gradients keep the
+        configured size: their quantization blocks follow the bucket)."""
+        quantized = self.zeropp is not None and self.zeropp.gradients is not None
+        if zero_config.overlap_comm and not quantized:
+            return overlap_bucket_elements(zero_config.reduce_bucket_size)
+        return int(zero_config.reduce_bucket_size)
+
     def _master_grads(self) -> List[torch.Tensor]:
         return [g for grp in self.groups for g in grp.attach_grads()]
 
@@ -319,7 +328,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         device = self.partitioner.device
         squares = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
-            squares += torch.linalg.vector_norm(g.double(), 2).to(device) ** 2
+            squares += fp64_square_sum(g).to(device)
         if self.store.grads is not None:
             squares += self.store.grads.squares()
         self.comm.all_reduce(squares)
