@@ -3,7 +3,10 @@
 Parameters are grouped, in the order backward produces their gradients (reverse registration
 order), into buckets of at most ``bucket_elements`` elements. When every gradient of a bucket is
 final, it is flattened into the bucket's buffer (in the communication dtype) and an asynchronous
-all-reduce starts. Buckets always start in index order on every rank — a bucket waits for all
+all-reduce starts. After the reduction a gradient of the communication dtype becomes a view of its
+piece of the buffer (as DDP's ``gradient_as_bucket_view``), which saves copying every gradient back;
+the buffer is only rewritten by the next reduction, after ``zero_grad`` has dropped those views (a
+gradient still there is its own piece, and is not copied onto itself). Buckets always start in index order on every rank — a bucket waits for all
 earlier ones — so the collectives of all ranks match even if some parameter gets no gradient.
 """
 from __future__ import annotations
@@ -81,11 +84,13 @@ class GradientBuckets:
         buf = self.buffers[index]
         if buf is None or buf.numel() != numel or buf.device != grads[0].device:
             buf = self.buffers[index] = torch.empty(numel, dtype=self.dtype, device=grads[0].device)
-        flat = [g.reshape(-1) for g in grads]
-        if all(g.dtype == buf.dtype for g in flat):
-            torch.cat(flat, out=buf)
-        else:
-            buf.copy_(torch.cat(flat))
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            piece = buf[offset:offset + n]
+            if g.data_ptr() != piece.data_ptr() or g.dtype != buf.dtype:  # (else it is already there)
+                piece.view_as(g).copy_(g)
+            offset += n
         if self.prescale:
             buf.div_(self.world_size)
         elif self.predivide != 1.0:
@@ -100,5 +105,9 @@ class GradientBuckets:
         for p in self.buckets[index]:
             g = self.grad_of(p)
             n = g.numel()
-            g.copy_(buf[offset:offset + n].view_as(g))
+            reduced = buf[offset:offset + n].view_as(g)
+            if g.dtype == buf.dtype and g.is_contiguous():
+                self.set_grad(p, reduced)  # the gradient becomes its piece of the bucket: no copy back
+            else:
+                g.copy_(reduced)
             offset += n

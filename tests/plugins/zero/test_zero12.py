@@ -17,7 +17,7 @@ from dsplug.config import ConfigError
 from dsplug.plugins.zero.memory import model_state_bytes
 
 from tests.dist_harness import run_distributed
-from tests.engine_common import assert_close_runs, dsplug_run, make_model, reference_run
+from tests.engine_common import IN, assert_close_runs, dsplug_run, make_model, reference_run
 
 
 def adamw(params):
@@ -644,3 +644,47 @@ def test_memory_breakdown_counts_what_one_rank_holds(stage):
     assert memory["parameters"] == 4 * numel and memory["gradients"] == 4 * numel
     assert 8 * numel <= memory["optimizer_states"] <= 8 * numel + 64  # + per-tensor step counters
     assert memory["total"] == memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
+
+
+# =========================================================================== stage 0's bucket views
+def _stage0_bucket_view_run():
+    dsplug.init_distributed()
+    rank = dsplug.comm.get_rank()
+    torch.manual_seed(0)
+    model, plain = make_model(), make_model()
+    engine = dsplug.initialize(model=model, optimizer=adamw, config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": 40}})[0]
+
+    def batch(window, r, m):
+        return torch.randn(4, IN, generator=torch.Generator().manual_seed(100 * window + 10 * r + m))
+
+    windows = []
+    for window in range(3):
+        plain.load_state_dict(model.state_dict())
+        plain.zero_grad()
+        for r in range(2):  # both ranks' micro-batches: the global mean the engine's gradients must equal
+            for m in range(2):
+                (plain(batch(window, r, m)).pow(2).mean() / 4).backward()
+        for m in range(2):  # (DeepSpeed's loop: engine.step() after every micro-batch)
+            engine.backward(engine(batch(window, rank, m)).pow(2).mean())
+            if m == 1:  # the boundary: reduced, before the step drops the gradients
+                buffers = {b.untyped_storage().data_ptr() for s in engine.stage.buckets.sets for b in s.buffers}
+                windows.append({
+                    "in buckets": all(p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()),
+                    "grads": [p.grad.clone() for p in model.parameters()],
+                    "want": [p.grad.clone() for p in plain.parameters()]})
+            engine.step()
+    return windows
+
+
+@pytest.mark.multiprocess
+def test_stage0_gradients_become_views_of_the_reduced_buckets():
+    """After the reduction each fp32 gradient is its piece of the bucket buffer (no copy back), and
+    with accumulation over 2 micro-steps and three windows it is still the global mean gradient:
+    the next window accumulates into fresh gradients and the bucket is only rewritten at its end."""
+    for windows in run_distributed(_stage0_bucket_view_run, 2):
+        for w in windows:
+            assert w["in buckets"]
+            for got, want in zip(w["grads"], w["want"]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
