@@ -3,11 +3,13 @@
 Parameters are grouped, in the order backward produces their gradients (reverse registration
 order), into buckets of at most ``bucket_elements`` elements. When every gradient of a bucket is
 final, it is flattened into the bucket's buffer (in the communication dtype) and an asynchronous
-all-reduce starts. After the reduction a gradient of the communication dtype becomes a view of its
-piece of the buffer (as DDP's ``gradient_as_bucket_view``), which saves copying every gradient back;
-the buffer is only rewritten by the next reduction, after ``zero_grad`` has dropped those views (a
-gradient still there is its own piece, and is not copied onto itself). Buckets always start in index order on every rank — a bucket waits for all
-earlier ones — so the collectives of all ranks match even if some parameter gets no gradient.
+all-reduce starts; a bucket of a single gradient is reduced where it is, without a buffer. After
+the reduction a gradient of the communication dtype becomes a view of its piece of the buffer (as
+DDP's ``gradient_as_bucket_view``), which saves copying every gradient back; the buffer is only
+rewritten by the next reduction, after ``zero_grad`` has dropped those views (a gradient still
+there is its own piece, and is not copied onto itself). Buckets always start in index order on
+every rank — a bucket waits for all earlier ones — so the collectives of all ranks match even if
+some parameter gets no gradient.
 """
 from __future__ import annotations
 
@@ -65,10 +67,10 @@ class GradientBuckets:
         while self.next_launch < len(self.buckets):
             self._launch(self.next_launch)
             self.next_launch += 1
-        for index, work in self.works:
+        for index, work, buf in self.works:
             if work is not None:
                 work.wait()
-            self._write_back(index)
+            self._write_back(index, buf)
         self.works = []
 
     def _launch(self, index: int) -> None:
@@ -80,6 +82,18 @@ class GradientBuckets:
                 g = torch.zeros_like(p, dtype=self.dtype)
                 self.set_grad(p, g)
             grads.append(g)
+        if len(grads) == 1 and grads[0].dtype == self.dtype and grads[0].is_contiguous():
+            buf = grads[0].view(-1)  # a bucket of one gradient is reduced where it is: nothing to copy
+        else:
+            buf = self._flatten(index, grads)
+        if self.prescale:
+            buf.div_(self.world_size)
+        elif self.predivide != 1.0:
+            buf.div_(self.predivide)
+        self.works.append((index, self.comm.all_reduce(buf, group=self.group, async_op=True), buf))
+
+    def _flatten(self, index: int, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The bucket's gradients in its buffer (kept between steps)."""
         numel = sum(g.numel() for g in grads)
         buf = self.buffers[index]
         if buf is None or buf.numel() != numel or buf.device != grads[0].device:
@@ -91,14 +105,9 @@ class GradientBuckets:
             if g.data_ptr() != piece.data_ptr() or g.dtype != buf.dtype:  # (else it is already there)
                 piece.view_as(g).copy_(g)
             offset += n
-        if self.prescale:
-            buf.div_(self.world_size)
-        elif self.predivide != 1.0:
-            buf.div_(self.predivide)
-        self.works.append((index, self.comm.all_reduce(buf, group=self.group, async_op=True)))
+        return buf
 
-    def _write_back(self, index: int) -> None:
-        buf = self.buffers[index]
+    def _write_back(self, index: int, buf: torch.Tensor) -> None:
         if not self.prescale:
             buf.mul_(self.predivide / self.world_size)
         offset = 0

@@ -165,6 +165,15 @@ class OffloadGroup:
         self.grad = torch.zeros(sum(self.sizes), dtype=dtype, device=self.partitioner.device)
         self.grad_views = [self.grad[o:o + k] for o, k in zip(self.offsets, self.sizes)]
 
+    def accumulate(self, i: int, piece: torch.Tensor) -> bool:
+        """Add a reduced gradient piece into parameter ``i``'s partition; False when that partition
+        is in a swapped sub-group (the store's SwappedGradients takes the piece)."""
+        view = self.grad_views[i]
+        if view is None:
+            return False
+        view.add_(piece)
+        return True
+
     def attach_grads(self) -> List[torch.Tensor]:
         if self.swapped_host:  # the host share's gradients are read per sub-group by the step
             if self.grad is None:

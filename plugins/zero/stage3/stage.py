@@ -74,12 +74,45 @@ class _Group:
             p.ds_tensor = self.flat[offset:offset + k]
         self.master = self.flat.to(torch.float32, copy=True) if master else self.flat
         self.views = self._split(self.master)
-        self.grad: Optional[torch.Tensor] = None
-        self.grad_views: List[torch.Tensor] = []
+        self._grad: Optional[torch.Tensor] = None
+        self._grad_views: List[torch.Tensor] = []
+        #: per view: nothing accumulated since zero_grad (its memory holds stale values; reads see zeros)
+        self._fresh: List[bool] = []
 
     def allocate_grads(self, dtype) -> None:
-        self.grad = torch.zeros(self.flat.numel(), dtype=dtype, device=self.flat.device)
-        self.grad_views = self._split(self.grad)
+        self._grad = torch.empty(self.flat.numel(), dtype=dtype, device=self.flat.device)
+        self._grad_views = self._split(self._grad)
+        self._fresh = [True] * len(self._grad_views)
+
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        """The gradient partitions, flat (the accumulation dtype)."""
+        self._settle()
+        return self._grad
+
+    @property
+    def grad_views(self) -> List[torch.Tensor]:
+        self._settle()
+        return self._grad_views
+
+    def accumulate(self, i: int, piece: torch.Tensor) -> bool:
+        """Add a reduced gradient piece into parameter ``i``'s partition. zero_grad does not zero the
+        partitions: the first piece after it is copied in instead (a pass over the gradients saved
+        each step), and a partition that got none is zeroed when the gradients are read."""
+        view = self._grad_views[i]
+        if self._fresh[i]:
+            view.copy_(piece)
+            self._fresh[i] = False
+        else:
+            view.add_(piece)
+        return True
+
+    def _settle(self) -> None:
+        if any(self._fresh):
+            for i, fresh in enumerate(self._fresh):
+                if fresh:
+                    self._grad_views[i].zero_()
+            self._fresh = [False] * len(self._fresh)
 
     def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[o:o + k] for o, k in zip(self.offsets, self.sizes)]
@@ -98,8 +131,7 @@ class _Group:
     def zero_grad(self) -> None:
         for view in self.views:
             view.grad = None
-        if self.grad is not None:
-            self.grad.zero_()
+        self._fresh = [True] * len(self._grad_views)
 
     def update_partitions(self) -> None:
         """Model-dtype partitions := fp32 master (after a step)."""
@@ -277,11 +309,8 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
 
     def _accumulate(self, p, piece: torch.Tensor) -> None:
         gi, i = self.place[id(p)]
-        view = self.groups[gi].grad_views[i]
-        if view is None:  # a swapped sub-group's gradient (offload_optimizer on nvme)
+        if not self.groups[gi].accumulate(i, piece):  # a swapped sub-group's gradient (offload_optimizer on nvme)
             self.store.grads.add(gi, i, piece)
-        else:
-            view.add_(piece)
 
     def before_backward(self, is_boundary: bool) -> None:
         """Gradients are reduce-scattered every micro-step (stage 3 keeps only partitions)."""

@@ -654,7 +654,7 @@ def _stage0_bucket_view_run():
     model, plain = make_model(), make_model()
     engine = dsplug.initialize(model=model, optimizer=adamw, config={
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 40}})[0]
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": 100}})[0]
 
     def batch(window, r, m):
         return torch.randn(4, IN, generator=torch.Generator().manual_seed(100 * window + 10 * r + m))
@@ -669,9 +669,13 @@ def _stage0_bucket_view_run():
         for m in range(2):  # (DeepSpeed's loop: engine.step() after every micro-batch)
             engine.backward(engine(batch(window, rank, m)).pow(2).mean())
             if m == 1:  # the boundary: reduced, before the step drops the gradients
-                buffers = {b.untyped_storage().data_ptr() for s in engine.stage.buckets.sets for b in s.buffers}
+                (buckets,) = engine.stage.buckets.sets
+                where = [(len(b), buf is None or all(p.grad.untyped_storage().data_ptr() ==
+                                                     buf.untyped_storage().data_ptr() for p in b))
+                         for b, buf in zip(buckets.buckets, buckets.buffers)]
                 windows.append({
-                    "in buckets": all(p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()),
+                    "buckets": [(n, buf_kept) for n, buf_kept in where],
+                    "kept": [buf is not None for buf in buckets.buffers],
                     "grads": [p.grad.clone() for p in model.parameters()],
                     "want": [p.grad.clone() for p in plain.parameters()]})
             engine.step()
@@ -680,11 +684,16 @@ def _stage0_bucket_view_run():
 
 @pytest.mark.multiprocess
 def test_stage0_gradients_become_views_of_the_reduced_buckets():
-    """After the reduction each fp32 gradient is its piece of the bucket buffer (no copy back), and
+    """After the reduction each fp32 gradient is its piece of the bucket buffer (no copy back; a
+    bucket of one gradient reduces it in place, keeping no buffer), and
     with accumulation over 2 micro-steps and three windows it is still the global mean gradient:
     the next window accumulates into fresh gradients and the bucket is only rewritten at its end."""
     for windows in run_distributed(_stage0_bucket_view_run, 2):
         for w in windows:
-            assert w["in buckets"]
+            # buckets of 100 elements over (3, 72, 24 | 576 | 24 | 288): one of three gradients, whose
+            # gradients are views of its buffer, and three of one, reduced where they are (no buffer)
+            assert [n for n, _ in w["buckets"]] == [3, 1, 1, 1]
+            assert all(views for _, views in w["buckets"])
+            assert w["kept"] == [True, False, False, False]
             for got, want in zip(w["grads"], w["want"]):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
