@@ -165,6 +165,9 @@ class OffloadGroup:
         self.grad = torch.zeros(sum(self.sizes), dtype=dtype, device=self.partitioner.device)
         self.grad_views = [self.grad[o:o + k] for o, k in zip(self.offsets, self.sizes)]
 
+    def claim(self, i: int, dtype) -> Optional[torch.Tensor]:
+        return None  # (the partitions are zeroed at zero_grad: pieces are accumulated)
+
     def accumulate(self, i: int, piece: torch.Tensor) -> bool:
         """Add a reduced gradient piece into parameter ``i``'s partition; False when that partition
         is in a swapped sub-group (the store's SwappedGradients takes the piece)."""

@@ -49,7 +49,8 @@ class GradientReducer:
 
     def __init__(self, comm, rank: int, world_size: int, dtype: torch.dtype, bucket_elements: int,
                  prescale: bool, predivide: float, use_reduce_scatter: bool, overlap: bool,
-                 accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None], quantized=None):
+                 accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None], quantized=None,
+                 claim: Optional[Callable[[torch.nn.Parameter, torch.dtype], Optional[torch.Tensor]]] = None):
         self.comm = comm
         self.rank = rank
         self.world_size = world_size
@@ -60,6 +61,9 @@ class GradientReducer:
         self.use_reduce_scatter = use_reduce_scatter
         self.overlap = overlap
         self.accumulate = accumulate
+        #: ``claim(p, dtype)``: the parameter's gradient partition when it has that dtype and nothing
+        #: is accumulated in it yet (its single-gradient reduction then writes straight into it), else None
+        self.claim = claim
         #: ZeRO++ qgZ (a zeropp.QuantizedGradients), None for the plain reduce-scatter
         self.quantized = quantized
         self.pending: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -85,9 +89,23 @@ class GradientReducer:
         sizes = [p.ds_tensor.numel() for p in params]
         grads = [g for _, g in self.pending]
         total = sum(sizes)
-        whole = self._take(world * total + total, grads[0].device)
-        flat = whole[:world * total + total]
-        bucket = rank_major_bucket(grads, sizes, world, self.dtype, out=flat[:world * total].view(world, total))
+        single = grads[0]
+        if len(grads) == 1 and self.quantized is None and single.numel() == world * total and \
+                single.dtype == self.dtype and single.is_contiguous():
+            # one gradient that splits evenly is already rank-major (row r: rank r's piece): reduced
+            # from where it is (the stage owns it), only the output needs a buffer
+            bucket = single.view(world, total)
+            target = self.claim(params[0], self.dtype) if self.claim is not None and self.use_reduce_scatter else None
+            if target is not None:
+                whole, out = None, target  # into the gradient partition itself: nothing to accumulate after
+            else:
+                whole = self._take(total, single.device)
+                out = whole[:total]
+        else:
+            whole = self._take(world * total + total, grads[0].device)
+            flat = whole[:world * total + total]
+            bucket = rank_major_bucket(grads, sizes, world, self.dtype, out=flat[:world * total].view(world, total))
+            out = flat[world * total:]
         self.pending, self.pending_elements = [], 0
         if self.prescale:
             bucket.div_(world)
@@ -97,12 +115,13 @@ class GradientReducer:
         if self.quantized is not None:
             work, mine, finish = self.quantized.start(bucket, sizes, async_op=self.overlap)
         elif self.use_reduce_scatter:
-            mine = flat[world * total:]
+            mine = out
             work = self.comm.reduce_scatter_tensor(mine, bucket.view(-1), async_op=self.overlap)
         else:
             work = self.comm.all_reduce(bucket, async_op=self.overlap)
             mine = bucket[self.rank]
-        self.outstanding.append((work, mine, params, sizes, finish, whole))
+        # (the bucket is kept referenced until the reduction is complete: it may be the gradient itself)
+        self.outstanding.append((work, mine, params, sizes, finish, whole, bucket))
         if not self.overlap:
             self._complete_all()
         elif len(self.outstanding) > self.IN_FLIGHT:
@@ -121,6 +140,10 @@ class GradientReducer:
     def kept_buffers(self) -> List[torch.Tensor]:
         return list(self._free)
 
+    def in_flight_buffers(self) -> List[torch.Tensor]:
+        """What the reductions in flight hold: their buffers, and a gradient reduced from where it is."""
+        return [t for entry in self.outstanding for t in entry[5:] if t is not None]
+
     def finish(self) -> None:
         """Reduce what is left and wait for every reduction of this backward pass."""
         self.flush()
@@ -138,13 +161,16 @@ class GradientReducer:
         """Wait for the reductions ``entries`` (the oldest in flight, in order) and accumulate them."""
         for entry in entries:
             self.outstanding.remove(entry)
-            work, mine, params, sizes, finish, whole = entry
+            work, mine, params, sizes, finish, whole, _ = entry
+            claimed = whole is None
             if finish is not None:
                 mine = finish()  # waits, dequantizes and sums (fp32)
             elif work is not None:
                 work.wait()
             if not self.prescale:
                 mine.mul_(self.predivide / self.world_size)
+            if claimed:
+                continue
             offset = 0
             for p, k in zip(params, sizes):
                 self.accumulate(p, mine[offset:offset + k])

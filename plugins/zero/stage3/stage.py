@@ -107,6 +107,15 @@ class _Group:
             view.add_(piece)
         return True
 
+    def claim(self, i: int, dtype) -> Optional[torch.Tensor]:
+        """Parameter ``i``'s gradient partition, to be written whole by its reduction, when it has
+        ``dtype`` and nothing was accumulated into it since zero_grad (else None: the piece is
+        accumulated)."""
+        if not self._fresh[i] or self._grad_views[i].dtype != dtype:
+            return None
+        self._fresh[i] = False
+        return self._grad_views[i]
+
     def _settle(self) -> None:
         if any(self._fresh):
             for i, fresh in enumerate(self._fresh):
@@ -293,7 +302,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
             bucket_elements=self._reduce_bucket_elements(zero_config), prescale=kernel.prescale_gradients,
             predivide=kernel.gradient_predivide_factor, use_reduce_scatter=zero_config.reduce_scatter,
             overlap=zero_config.overlap_comm, accumulate=self._accumulate,
-            quantized=self.zeropp.gradients if self.zeropp is not None else None)
+            quantized=self.zeropp.gradients if self.zeropp is not None else None, claim=self._claim)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.all_params
                        if p.requires_grad]
         self.last_grad_norm: Optional[float] = None
@@ -306,6 +315,10 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         if grad is not None and id(p) in self.place and self.optimizer is not None:
             self.reducer.add(p, grad)
         self.coordinator.param_done(p)
+
+    def _claim(self, p, dtype) -> Optional[torch.Tensor]:
+        gi, i = self.place[id(p)]
+        return self.groups[gi].claim(i, dtype)
 
     def _accumulate(self, p, piece: torch.Tensor) -> None:
         gi, i = self.place[id(p)]
@@ -422,7 +435,7 @@ class PartitionedParamStage(dsf.DeepSpeedInterchange, ZeroStage):
         grads += [p.grad for p in self.all_params if p.grad is not None]
         optim = held["optimizer_states"]
         in_flight = {id(p._ds_handle): p._ds_handle for p in self.all_params if p._ds_handle is not None}
-        buffers = [g for _, g in self.reducer.pending] + [o[-1] for o in self.reducer.outstanding]
+        buffers = [g for _, g in self.reducer.pending] + self.reducer.in_flight_buffers()
         buffers += self.reducer.kept_buffers() + self.partitioner.kept_buffers()
         buffers += [b for h in in_flight.values() for b in h.buffers()]
         report = {"parameters": _storage_bytes(partitions), "gathered_parameters": _storage_bytes(gathered),
