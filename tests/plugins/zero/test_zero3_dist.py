@@ -44,6 +44,10 @@ def _main_job(ckpt_dir: str, file16: str):
     out["partition_sizes"] = [p.ds_tensor.numel() for p in engine.module.parameters()]
     engine = build(config(WORLD, gas=2, clip=0.3, precision="bf16", **AGGRESSIVE))
     out["bf16"] = {"losses": train(engine, 4), "params": gathered(engine.module)}
+    # one bucket per parameter: each evenly split gradient is reduce-scattered from where it is,
+    # into its gradient partition at a window's first micro-step and accumulated at the second
+    engine = build(config(WORLD, gas=2, clip=0.3, reduce_bucket_size=1))
+    out["fp32 per parameter"] = {"losses": train(engine, 4), "params": gathered(engine.module)}
 
     # --- zero.Init builds the same model, partitioned from the start
     with dsplug.zero.Init():
@@ -137,6 +141,7 @@ def test_fp32_and_bf16_with_accumulation_and_clipping_equal_plain_pytorch(main_r
     want_bf16 = reference_run(4, WORLD, 4, 2, adamw, clip=0.3, precision="bf16")
     for rank_result in main_run:
         _close(rank_result["fp32"], want, rtol=1e-5, atol=1e-6)
+        _close(rank_result["fp32 per parameter"], want, rtol=1e-5, atol=1e-6)
         _close(rank_result["bf16"], want_bf16, rtol=2e-2, atol=2e-2)
     for a, b in zip(main_run[0]["bf16"]["params"], main_run[1]["bf16"]["params"]):
         assert torch.equal(a, b), "ranks gathered different parameters"
