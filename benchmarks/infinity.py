@@ -224,9 +224,11 @@ def run_child(args, width: int, layers: int, plain: bool = False, framework: str
     """The child's JSON rows as they come; a failed run raises RuntimeError with its stderr's tail."""
     python, env = sys.executable, dict(os.environ)
     if framework == "deepspeed":
+        from dsplug.testing.ranks import free_port
+
         python = args.deepspeed_python
         env.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()),
+                   MASTER_PORT=str(free_port()),
                    TORCH_EXTENSIONS_DIR=args.extensions_dir or os.path.join(args.dir, "deepspeed-extensions"))
     cmd = [python, os.path.abspath(__file__), "--child", "--framework", framework, "--dir", args.dir, "--width",
            str(width), "--layers", str(layers), "--steps", str(args.steps), "--threads", str(args.threads), "--lr",
@@ -241,14 +243,6 @@ def run_child(args, width: int, layers: int, plain: bool = False, framework: str
     err = proc.stderr.read()
     if proc.wait() != 0:
         raise RuntimeError(f"the {framework} run at width {width}, {layers} layers failed:\n{err[-3000:]}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_run(rows_in, ram: int, read_bw: float, write_bw: float):
